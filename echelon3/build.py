@@ -1,0 +1,322 @@
+"""From ``module`` / ``type`` / ``config`` triples to objects: one path for every component.
+
+``module`` is an import path or a path to a ``.py`` file (relative paths are
+looked up against the config's directory, then the current directory);
+``type`` names a class or a factory function in it; ``config`` holds keyword
+arguments. Nested triples inside ``config`` are built first, unless the target
+lists that argument in its ``lazy_specs`` attribute (it then receives the raw
+mapping and builds it itself, e.g. an optimizer that needs ``params=``).
+
+Runtime objects (parameters, datasets, the optimizer) are injected by the
+section builders below, each naming what it injects; a YAML that sets one of
+them is an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from echelon3.errors import BuildError, did_you_mean
+
+SPEC_KEYS = {"module", "type", "config"}
+
+
+def is_spec(node: Any) -> bool:
+    """A mapping with ``module`` and ``type`` (and optionally ``config``, ``weight``...)."""
+    return isinstance(node, Mapping | DictConfig) and "module" in node and "type" in node
+
+
+def to_plain(node: Any) -> Any:
+    if isinstance(node, DictConfig | ListConfig):
+        return OmegaConf.to_container(node, resolve=True)
+    return node
+
+
+def _load_file_module(path: Path, key: str):
+    name = "echelon3_user_" + hashlib.sha1(str(path).encode()).hexdigest()[:12] + "_" + path.stem
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise BuildError(f"{key}.module", f"importing {path} failed: "
+                         f"{type(e).__name__}: {e}") from e
+    return module
+
+
+def import_module(name: str, key: str, config_dir: Path | None = None):
+    """Import ``name`` (dotted path or ``.py`` file) or fail naming ``key.module``."""
+    if not isinstance(name, str) or not name:
+        raise BuildError(f"{key}.module", f"must be an import path or a .py file, got {name!r}")
+    if name.endswith(".py") or "/" in name:
+        candidates = [Path(name)] if Path(name).is_absolute() else [
+            *([config_dir / name] if config_dir else []), Path.cwd() / name]
+        for path in candidates:
+            if path.is_file():
+                return _load_file_module(path.resolve(), key)
+        raise BuildError(f"{key}.module", "file not found: "
+                         + " or ".join(str(p) for p in candidates))
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name and (name == e.name or name.startswith(e.name + ".")):
+            raise BuildError(f"{key}.module", f"cannot import '{name}' "
+                             f"(no module named '{e.name}')") from e
+        raise BuildError(f"{key}.module", f"importing '{name}' failed: {e}") from e
+    except Exception as e:
+        raise BuildError(f"{key}.module", f"importing '{name}' failed: "
+                         f"{type(e).__name__}: {e}") from e
+
+
+def resolve_type(spec: Mapping, key: str, config_dir: Path | None = None) -> Callable:
+    module = import_module(spec["module"], key, config_dir)
+    name = spec["type"]
+    target = module
+    for part in str(name).split("."):
+        if not hasattr(target, part):
+            public = [n for n in dir(module) if not n.startswith("_")]
+            raise BuildError(f"{key}.type", f"'{spec['module']}' has no attribute '{name}'"
+                             f"{did_you_mean(str(name), public)}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise BuildError(f"{key}.type", f"'{spec['module']}.{name}' is not a class or function")
+    return target
+
+
+def accepted_keywords(target: Callable) -> tuple[list[str], bool]:
+    """(keyword names ``target`` accepts, whether it takes ``**kwargs``)."""
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return [], True
+    names, var_kw = [], False
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            var_kw = True
+        elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            names.append(p.name)
+    return names, var_kw
+
+
+def check_arguments(target: Callable, kwargs: Mapping[str, Any], key: str,
+                    injected: Mapping[str, Any] = ()) -> None:
+    """Name an unknown or missing keyword before calling, with what is accepted."""
+    names, var_kw = accepted_keywords(target)
+    label = getattr(target, "__qualname__", repr(target))
+    if not var_kw:
+        for arg in kwargs:
+            if arg not in names:
+                where = f"{key}.config.{arg}" if arg not in injected else key
+                offered = [n for n in names if n not in injected and n != "self"]
+                raise BuildError(where, f"{label} does not accept '{arg}'"
+                                 f"{did_you_mean(arg, offered)}; it accepts: "
+                                 f"{', '.join(offered) or '(nothing)'}")
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return
+    missing = [p.name for p in sig.parameters.values()
+               if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               and p.name not in kwargs and p.name != "self"]
+    if missing:
+        raise BuildError(f"{key}.config", f"{label} requires {', '.join(map(repr, missing))}")
+
+
+def _build_nested(value: Any, key: str, config_dir: Path | None) -> Any:
+    if is_spec(value):
+        return instantiate(value, key, config_dir)
+    if isinstance(value, Mapping | DictConfig):
+        return {k: _build_nested(v, f"{key}.{k}", config_dir) for k, v in value.items()}
+    if isinstance(value, list | ListConfig):
+        return [_build_nested(v, f"{key}[{i}]", config_dir) for i, v in enumerate(value)]
+    return value
+
+
+def instantiate(spec: Mapping, key: str, config_dir: Path | None = None,
+                extra_keys: tuple[str, ...] = (), **injected: Any) -> Any:
+    """Build one triple. ``injected`` are runtime objects the section supplies."""
+    if not is_spec(spec):
+        raise BuildError(key, "needs 'module' and 'type'")
+    allowed = SPEC_KEYS | set(extra_keys)
+    for k in spec:
+        if k not in allowed:
+            raise BuildError(f"{key}.{k}", f"unknown key{did_you_mean(str(k), allowed)}; "
+                             f"a component takes {', '.join(sorted(allowed))}")
+    target = resolve_type(spec, key, config_dir)
+    config = spec.get("config") or {}
+    if not isinstance(config, Mapping | DictConfig):
+        raise BuildError(f"{key}.config", f"must be a mapping of keyword arguments, got {config!r}")
+    for name in injected:
+        if name in config:
+            raise BuildError(f"{key}.config.{name}", f"'{name}' is supplied by echelon3 at "
+                             "run time; remove it from the config")
+    lazy = set(getattr(target, "lazy_specs", ()))
+    kwargs = {k: (to_plain(v) if k in lazy else _build_nested(v, f"{key}.config.{k}", config_dir))
+              for k, v in config.items()}
+    kwargs = {k: to_plain(v) for k, v in kwargs.items()}
+    kwargs.update(injected)
+    check_arguments(target, kwargs, key, injected)
+    try:
+        return target(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise BuildError(key, f"{getattr(target, '__qualname__', target)} rejected its "
+                         f"arguments: {e}") from e
+
+
+# --------------------------------------------------------------------------- section builders
+
+def named_items(node: Any, key: str) -> list[tuple[str, Any]]:
+    """``[{name: spec}, ...]`` or ``{name: spec, ...}`` -> [(name, spec)]."""
+    if node is None:
+        return []
+    if isinstance(node, Mapping | DictConfig):
+        return list(node.items())
+    items = []
+    for i, item in enumerate(node):
+        if not isinstance(item, Mapping | DictConfig) or len(item) != 1:
+            raise BuildError(f"{key}[{i}]", "each entry must be a one-key mapping 'name: {module, "
+                             "type, config}'")
+        items.extend(item.items())
+    return items
+
+
+def build_net(cfg, config_dir: Path | None = None):
+    """``net``: injects nothing; ``net.weights`` (optional) loads a state_dict or checkpoint."""
+    net = instantiate(cfg.net, "net", config_dir, extra_keys=("weights",))
+    weights = cfg.net.get("weights")
+    if weights:
+        import torch
+
+        from echelon3.checkpoint import strip_prefixes
+
+        path = Path(weights)
+        if not path.is_absolute() and config_dir is not None and (config_dir / path).exists():
+            path = config_dir / path
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise BuildError("net.weights", f"cannot load {path}: {str(e).splitlines()[0]}") from e
+        state = state.get("model_state_dict", state) if isinstance(state, dict) else state
+        try:
+            net.load_state_dict(strip_prefixes(state))
+        except RuntimeError as e:
+            raise BuildError("net.weights", f"{path} does not fit the network: "
+                             f"{str(e).splitlines()[0]}") from e
+    return net
+
+
+def build_datasets(cfg, config_dir: Path | None = None, train: bool = True):
+    """``data``: train set (if asked) and test sets -> (train, {name: set}, named?)."""
+    data = cfg.data
+    train_set = None
+    if train:
+        if data.get("train") is None:
+            raise BuildError("data.train", "required section missing for 'train'")
+        train_set = instantiate(data.train, "data.train", config_dir)
+    test = data.get("test")
+    if test is None:
+        raise BuildError("data.test", "required section missing (validation and evaluation "
+                         "need a test set)")
+    if is_spec(test):
+        return train_set, {"test": instantiate(test, "data.test", config_dir)}, False
+    tests = {name: instantiate(spec, f"data.test.{name}", config_dir)
+             for name, spec in named_items(test, "data.test")}
+    if not tests:
+        raise BuildError("data.test", "no test set configured")
+    return train_set, tests, True
+
+
+def build_losses(cfg, config_dir: Path | None = None, required: bool = True):
+    """``loss``: [{name: {module, type, config, weight}}] -> {name: (fn, weight)}."""
+    if cfg.get("loss") is None:
+        if required:
+            raise BuildError("loss", "required section missing for 'train'")
+        return {}
+    losses = {}
+    for name, spec in named_items(cfg.loss, "loss"):
+        key = f"loss.{name}"
+        weight = spec.get("weight", 1.0) if isinstance(spec, Mapping | DictConfig) else 1.0
+        if not isinstance(weight, int | float):
+            raise BuildError(f"{key}.weight", f"must be a number, got {weight!r}")
+        losses[name] = (instantiate(spec, key, config_dir, extra_keys=("weight",)), float(weight))
+    if required and not losses:
+        raise BuildError("loss", "lists no loss")
+    return losses
+
+
+def build_metrics(cfg, config_dir: Path | None = None):
+    """``metrics``: [{name: triple}] -> {name: metric}; unusable objects rejected here."""
+    from echelon3.metrics.base import is_usable_metric
+
+    metrics = {}
+    for name, spec in named_items(cfg.get("metrics"), "metrics"):
+        metric = instantiate(spec, f"metrics.{name}", config_dir)
+        if not is_usable_metric(metric):
+            raise BuildError(f"metrics.{name}", f"{type(metric).__name__} is not a metric: it "
+                             "needs update(preds, target), compute() and reset()")
+        metrics[name] = metric
+    return metrics
+
+
+def build_optimizer(cfg, params, config_dir: Path | None = None):
+    """``optimizer``: injects ``params=``."""
+    if cfg.get("optimizer") is None:
+        raise BuildError("optimizer", "required section missing for 'train'")
+    return instantiate(cfg.optimizer, "optimizer", config_dir, params=params)
+
+
+def build_scheduler(cfg, optimizer, config_dir: Path | None = None):
+    """``scheduler`` (optional): injects ``optimizer=``; stepped once per epoch."""
+    if cfg.get("scheduler") is None:
+        return None
+    return instantiate(cfg.scheduler, "scheduler", config_dir, optimizer=optimizer)
+
+
+def with_default_type(node: Any, key: str, module: str, type_: str) -> dict:
+    """A section whose ``module``/``type`` may be left out in favour of a built-in."""
+    node = to_plain(node) or {}
+    if not isinstance(node, dict):
+        raise BuildError(key, f"must be a mapping, got {node!r}")
+    if ("module" in node) != ("type" in node):
+        raise BuildError(key, "give both 'module' and 'type', or neither for the built-in")
+    node.setdefault("module", module)
+    node.setdefault("type", type_)
+    return node
+
+
+def build_target(cfg, config_dir: Path | None = None):
+    """``target``: ``path`` and ``checkpoints_to_keep`` for the checkpoint manager."""
+    target = cfg.get("target")
+    if target is None or not target.get("path"):
+        raise BuildError("target.path", "required: the directory for checkpoints and results")
+    node = to_plain(target)
+    if not is_spec(node):
+        node = {"module": "echelon3.checkpoint", "type": "CheckpointManager", "config": node}
+    return instantiate(node, "target", config_dir)
+
+
+def build_mlops(cfg, path, config_dir: Path | None = None):
+    """``mlops`` (optional; rank 0 only): injects ``path=`` (the run directory)."""
+    spec = with_default_type(cfg.get("mlops"), "mlops", "echelon3.mlops", "DefaultLogger")
+    return instantiate(spec, "mlops", config_dir, path=path)
+
+
+def build_trainer(cfg, config_dir: Path | None = None, runtime_keys=(), **injected):
+    """``trainer``: injects the assembled run (net, losses, optimizer, loaders, ...)."""
+    spec = with_default_type(cfg.get("trainer"), "trainer", "echelon3.trainers.baseline",
+                             "Trainer")
+    spec["config"] = {k: v for k, v in (spec.get("config") or {}).items()
+                      if k not in runtime_keys}
+    return instantiate(spec, "trainer", config_dir, **injected)

@@ -1,0 +1,210 @@
+"""Checkpoints: atomic rank-0 writes, retention, safe loading, resume.
+
+A checkpoint is data only (tensors and plain Python types), so it loads with
+``torch.load(weights_only=True)`` and a file carrying pickled code is refused
+without running it. Files under ``target.path``:
+
+- ``checkpoint-<epoch>.tar``  rolling, ``epoch`` = completed epochs, newest N kept;
+- ``best.tar``                the keep-best winner, a stable name for downstream rules.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import tempfile
+from pathlib import Path
+from typing import IO, Any, Callable
+
+import numpy as np
+import torch
+
+from echelon3.dist import is_main
+from echelon3.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+BEST = "best.tar"
+# best.tar is a hard link to this hidden twin: a workflow engine that deletes its
+# declared output before rerunning a job must not destroy the best weights.
+KEPT_BEST = ".best.tar"
+_ROLLING = re.compile(r"^checkpoint-(\d+)\.tar$")
+_PREFIXES = ("module.", "_orig_mod.")
+
+
+def strip_prefixes(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Drop ``module.`` (DDP/DataParallel) and ``_orig_mod.`` (torch.compile) from keys."""
+    out = {}
+    for key, value in state_dict.items():
+        changed = True
+        while changed:
+            changed = False
+            for prefix in _PREFIXES:
+                if key.startswith(prefix):
+                    key, changed = key[len(prefix):], True
+            key = key.replace("._orig_mod.", ".")
+        out[key] = value
+    return out
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+    """Call ``write(file)`` on a temp file beside ``path``, fsync, rename over ``path``.
+
+    A kill at any instant leaves either the old file or the new one, never a torn one.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def atomic_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` through :func:`atomic_write`."""
+    atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def load(path: str | os.PathLike) -> dict[str, Any]:
+    """Load a checkpoint safely, or raise :class:`CheckpointError` naming the file."""
+    path = Path(path)
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(str(path), "checkpoint not found") from None
+    except Exception as e:  # torn zip, foreign format, or a refused pickle global
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "weights_only" in str(e) or "Unsupported global" in str(e):
+            reason = "refused: it carries pickled code or objects, not plain data"
+        raise CheckpointError(str(path), f"cannot load checkpoint ({reason})") from e
+    if not isinstance(data, dict) or "model_state_dict" not in data:
+        raise CheckpointError(str(path), "not an echelon3 checkpoint (no model_state_dict)")
+    data["model_state_dict"] = strip_prefixes(data["model_state_dict"])
+    return data
+
+
+# --------------------------------------------------------------------------- RNG state as data
+
+def rng_state() -> dict[str, Any]:
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
+                  float(gauss)],
+        "python": [version, list(internal), gauss_next],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
+
+
+# --------------------------------------------------------------------------- the manager
+
+class CheckpointManager:
+    """Owns ``target.path``: rolling checkpoints, ``best.tar``, retention and resume."""
+
+    def __init__(self, path: str | os.PathLike, checkpoints_to_keep: int = 2):
+        if int(checkpoints_to_keep) < 1:
+            raise ValueError("checkpoints_to_keep must be at least 1")
+        self.path = Path(path)
+        self.checkpoints_to_keep = int(checkpoints_to_keep)
+
+    def rolling(self) -> list[Path]:
+        """Rolling checkpoints, newest first."""
+        if not self.path.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.path.iterdir()
+                 if (m := _ROLLING.match(p.name))]
+        return [p for _, p in sorted(found, reverse=True)]
+
+    def save_checkpoint(self, state: dict[str, Any], epoch: int) -> None:
+        """Write ``checkpoint-<epoch>.tar`` and apply retention; returns at once off rank 0."""
+        if not is_main():
+            return
+        atomic_save(state, self.path / f"checkpoint-{epoch}.tar")
+        for old in self.rolling()[self.checkpoints_to_keep:]:
+            old.unlink(missing_ok=True)
+
+    def save_best(self, state: dict[str, Any]) -> None:
+        """Write the keep-best winner as ``best.tar``; returns at once off rank 0."""
+        if not is_main():
+            return
+        atomic_save(state, self.path / KEPT_BEST)
+        self._publish_best()
+
+    def _publish_best(self) -> None:
+        tmp = self.path / f".{BEST}.{os.getpid()}.link"
+        tmp.unlink(missing_ok=True)
+        os.link(self.path / KEPT_BEST, tmp)
+        os.replace(tmp, self.path / BEST)
+
+    def ensure_best(self) -> None:
+        """Bring ``best.tar`` back if it was deleted while its twin survives."""
+        if is_main() and not (self.path / BEST).exists() and (self.path / KEPT_BEST).exists():
+            self._publish_best()
+            os.utime(self.path / BEST)
+
+    def latest_loadable(self) -> tuple[Path, dict[str, Any]] | None:
+        """Newest rolling checkpoint that loads; bad ones are named in a warning.
+
+        If checkpoints exist but none loads, stop rather than train over them.
+        """
+        candidates = self.rolling()
+        errors = []
+        for path in candidates:
+            try:
+                return path, load(path)
+            except CheckpointError as e:
+                errors.append(e)
+                log.warning("skipping %s", e)
+        if candidates:
+            raise CheckpointError(str(self.path), f"{len(candidates)} checkpoint(s) found but none "
+                                  "loads; move them away to start over")
+        return None
+
+    def for_inference(self, checkpoint: str | None = None) -> Path:
+        """``checkpoint`` if given (relative to ``target.path``), else best.tar, else newest."""
+        if checkpoint:
+            path = Path(checkpoint)
+            return path if path.is_absolute() or path.exists() else self.path / path
+        if (self.path / BEST).exists():
+            return self.path / BEST
+        rolling = self.rolling()
+        if rolling:
+            return rolling[0]
+        raise CheckpointError(str(self.path), "no checkpoint to load (train first)")

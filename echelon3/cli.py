@@ -1,0 +1,107 @@
+"""The ``echelon3`` command: train / evaluate / run.
+
+Heavy imports (torch, the tasks) happen inside the commands, so ``--help`` is
+instant. Exit codes: 0 success, 2 a user error (one line naming the config key
+or file), 130 Ctrl-C, 1 anything else. ``ECHELON3_DEBUG=1`` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+TASKS = {
+    "train": ("echelon3.train", "train", "train a network (resumes when target.path holds "
+              "checkpoints)"),
+    "evaluate": ("echelon3.evaluate", "evaluate", "compute metrics of a checkpoint over the "
+                 "test set(s) and write them as JSON"),
+    "run": ("echelon3.run", "run", "run inference with a checkpoint and write predictions as CSV"),
+}
+
+EPILOG = """overrides (OmegaConf grammar):
+  key=value        set a value (typed: 3, 0.1, true, null, [0,1], text)
+  +key=value       add a key (same effect)
+  ++key=value      add or override (same effect)
+  ~key             delete a key and its subtree
+  hydra.*          accepted and ignored
+
+examples:
+  echelon3 train -cd config/experiments -cn digits_cnn device=cpu
+  echelon3 train -cd configs -cn my_experiment gpus=[0,1,2,3]
+  echelon3 train -cd configs -cn my_experiment device=cpu nproc=2
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    from echelon3 import __version__
+
+    top = argparse.ArgumentParser(
+        prog="echelon3", description="Config-driven PyTorch training: one YAML per run.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    top.add_argument("--version", action="version", version=f"echelon3 {__version__}")
+    sub = top.add_subparsers(dest="command", metavar="{train,evaluate,run}", required=True)
+    for name, (_, _, help_text) in TASKS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("-cd", "--config-dir", default=".",
+                       help="directory holding the YAML files (default: current directory)")
+        p.add_argument("-cn", "--config-name", required=True,
+                       help="the run's YAML file, with or without .yaml")
+        p.add_argument("--print-config", action="store_true",
+                       help="print the composed, resolved config and exit")
+        p.add_argument("overrides", nargs="*", metavar="override",
+                       help="key=value, +key=value, ++key=value or ~key")
+    return top
+
+
+def _debug() -> bool:
+    return os.environ.get("ECHELON3_DEBUG", "") not in ("", "0", "false")
+
+
+def _execute(args) -> None:
+    import importlib
+
+    from echelon3.config import load_config, to_yaml
+
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    rc = load_config(args.config_dir, args.config_name, args.overrides)
+    if args.print_config:
+        sys.stdout.write(to_yaml(rc.cfg))
+        return
+    from echelon3 import data, runtime
+
+    module, function, _ = TASKS[args.command]
+    task = getattr(importlib.import_module(module), function)
+
+    def validate(plan):
+        data.check_batch_sizes(rc.cfg.get("dataloaders"), plan.world_size)
+
+    runtime.launch(task, rc, validate)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from echelon3.errors import UserError
+
+    try:
+        _execute(args)
+    except UserError as e:
+        if _debug():
+            raise
+        print(f"echelon3: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if _debug():
+            raise
+        print("echelon3: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        from echelon3.dist import WorkerFailed
+
+        if isinstance(e, WorkerFailed):
+            print(f"echelon3: {e}", file=sys.stderr)
+            return e.exit_code
+        raise
+    return 0

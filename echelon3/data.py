@@ -1,0 +1,173 @@
+"""DataLoaders under DDP: global -> per-rank batch, samplers, worker hygiene, memory estimate.
+
+``batch_size`` in the config is GLOBAL (across all ranks) and is divided by the
+world size. ``num_workers`` and ``prefetch_factor`` are PER RANK.
+
+The training sampler is always a ``DistributedSampler`` (one replica in a
+single process), so the data order is a function of (seed, epoch) alone: a run
+resumed at epoch k sees exactly the order an uninterrupted run would.
+Evaluation shards by stride without padding, so no sample is counted twice.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import sys
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from echelon3.build import instantiate, is_spec, to_plain
+from echelon3.errors import BatchSizeError, BuildError
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def worker_init(_worker_id: int) -> None:
+    """Reap this loader worker with its parent process (Linux), so a killed run leaves no orphans."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+class ShardSampler(Sampler[int]):
+    """Rank r takes samples r, r+W, r+2W, ... in order: every sample exactly once overall."""
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int):
+        self.length = len(dataset)
+        self.num_replicas = num_replicas
+        self.rank = rank
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.length, self.num_replicas))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.length, self.num_replicas))
+
+
+def per_rank_batch(global_batch: int, world_size: int, key: str) -> int:
+    """``global_batch / world_size``, or a ValueError naming both numbers and nearby valid sizes."""
+    if global_batch % world_size == 0:
+        return global_batch // world_size
+    lower = (global_batch // world_size) * world_size
+    upper = lower + world_size
+    nearest = " or ".join(str(n) for n in (lower, upper) if n > 0)
+    raise BatchSizeError(key, f"batch_size {global_batch} is global and must be divisible by the "
+                         f"world size {world_size}; use {nearest}")
+
+
+def check_batch_sizes(loaders_cfg: Mapping, world_size: int) -> None:
+    """Validate every loader's global batch size before any worker starts."""
+    for name, spec in (loaders_cfg or {}).items():
+        batch = ((spec or {}).get("config") or {}).get("batch_size", 1)
+        per_rank_batch(int(batch), world_size, f"dataloaders.{name}.config.batch_size")
+
+
+def _sample_bytes(sample: Any) -> int:
+    if isinstance(sample, torch.Tensor):
+        return sample.element_size() * sample.nelement()
+    if isinstance(sample, Mapping):
+        return sum(_sample_bytes(v) for v in sample.values())
+    if isinstance(sample, list | tuple):
+        return sum(_sample_bytes(v) for v in sample)
+    if hasattr(sample, "nbytes"):
+        return int(sample.nbytes)
+    return 8
+
+
+def available_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def report_prefetch(name: str, dataset: Dataset, world_size: int, num_workers: int,
+                    prefetch_factor: int, batch: int) -> int:
+    """Print (rank 0) how many batches sit in host RAM at once and what they cost."""
+    if num_workers == 0 or len(dataset) == 0:
+        return 0
+    batches = world_size * num_workers * prefetch_factor
+    estimate = batches * batch * _sample_bytes(dataset[0])
+    log.info("dataloaders.%s: %d ranks x %d workers x prefetch %d = %d batches of %d in flight, "
+             "about %.1f MiB of host RAM", name, world_size, num_workers, prefetch_factor,
+             batches, batch, estimate / 2**20)
+    available = available_memory_bytes()
+    if available is not None and estimate > available:
+        log.warning("dataloaders.%s: the prefetched batches (%.1f MiB) exceed the available "
+                    "memory (%.1f MiB); lower num_workers / prefetch_factor (they are per rank)",
+                    name, estimate / 2**20, available / 2**20)
+    return estimate
+
+
+def create_dataloader(name: str, spec: Mapping, dataset: Dataset, *, train: bool, rank: int,
+                      world_size: int, seed: int, config_dir=None) -> DataLoader:
+    """Build ``dataloaders.<name>`` for this rank, injecting ``dataset=`` and the sampler."""
+    key = f"dataloaders.{name}"
+    if not is_spec(spec):
+        spec = {"module": "torch.utils.data", "type": "DataLoader", **(spec or {})}
+    config = dict(to_plain(spec.get("config")) or {})
+    for injected in ("dataset", "sampler", "batch_sampler"):
+        if injected in config:
+            raise BuildError(f"{key}.config.{injected}", "is set by echelon3; remove it")
+    batch = per_rank_batch(int(config.get("batch_size", 1)), world_size,
+                           f"{key}.config.batch_size")
+    shuffle = bool(config.pop("shuffle", train))
+    drop_last = bool(config.pop("drop_last", False))
+    if train:
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
+                                     shuffle=shuffle, seed=seed, drop_last=drop_last)
+    else:
+        sampler = ShardSampler(dataset, world_size, rank)
+    config.update(batch_size=batch, drop_last=drop_last if train else False)
+    workers = int(config.get("num_workers", 0))
+    if workers > 0:
+        config.setdefault("persistent_workers", False)
+        config.setdefault("worker_init_fn", worker_init)
+        config.setdefault("prefetch_factor", 2)
+        if rank == 0:
+            report_prefetch(name, dataset, world_size, workers, int(config["prefetch_factor"]),
+                            batch)
+    spec = {"module": spec["module"], "type": spec["type"], "config": config}
+    return instantiate(spec, key, config_dir, dataset=dataset, sampler=sampler)
+
+
+def set_epoch(loader: DataLoader, epoch: int) -> None:
+    sampler = getattr(loader, "sampler", None)
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+
+
+
+def create_dataloaders(loaders_cfg: Mapping, train_set: Dataset | None,
+                       test_sets: Mapping[str, Dataset], *, rank: int = 0, world_size: int = 1,
+                       seed: int = 0, config_dir=None) -> tuple[DataLoader | None,
+                                                                dict[str, DataLoader]]:
+    """The train loader and one loader per test set (``dataloaders.test`` unless a loader
+    is configured under the test set's own name)."""
+    loaders_cfg = loaders_cfg or {}
+    common = dict(rank=rank, world_size=world_size, seed=seed, config_dir=config_dir)
+    train = None
+    if train_set is not None:
+        if "train" not in loaders_cfg:
+            raise BuildError("dataloaders.train", "required section missing")
+        train = create_dataloader("train", loaders_cfg["train"], train_set, train=True, **common)
+    tests = {}
+    for name, dataset in test_sets.items():
+        key = name if name in loaders_cfg else "test"
+        if key not in loaders_cfg:
+            raise BuildError("dataloaders.test", f"required to load test set '{name}'")
+        tests[name] = create_dataloader(key, loaders_cfg[key], dataset, train=False, **common)
+    return train, tests

@@ -1,0 +1,239 @@
+"""Everything distributed: who launched us, spawning workers, the process group, rank helpers.
+
+Which launcher started this process is decided by :func:`detect_launcher`, in
+this order: torchrun / torch elastic (``RANK`` is set), then a SLURM ``srun``
+task of a multi-task step (``SLURM_PROCID`` with ``SLURM_NTASKS`` > 1), then
+none. With no launcher and several devices echelon3 spawns its own workers
+through ``torch.distributed.launcher.api.elastic_launch``, exactly what
+torchrun does, so each worker then sees ``RANK`` and takes the first branch.
+
+The rank helpers are safe no-ops in a single process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Mapping
+
+TIMEOUT_ENV = "ECHELON3_DDP_TIMEOUT_MIN"
+DEFAULT_TIMEOUT_MIN = 30.0
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """What the environment says about this process's place in a job."""
+
+    kind: str  # "torchrun" | "slurm" | "none"
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a SLURM node list: ``node[03-05,7],gpu1`` -> ``node03``."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    head = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if not head:
+        return nodelist
+    prefix, ranges = head.group(1), head.group(3)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def detect_launcher(env: Mapping[str, str] | None = None) -> Launcher:
+    """torchrun/elastic > SLURM srun > none. Reads only the environment."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        return Launcher(
+            kind="torchrun", rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", 0)),
+            world_size=world, local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None)
+    ntasks = int(env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1")) or 1)
+    if "SLURM_PROCID" in env and ntasks > 1:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost"
+        job_id = int(env.get("SLURM_JOB_ID", "0") or 0)
+        port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else 15000 + job_id % 20000
+        nnodes = int(env.get("SLURM_NNODES", "1") or 1)
+        return Launcher(
+            kind="slurm", rank=int(env["SLURM_PROCID"]), local_rank=int(env.get("SLURM_LOCALID", 0)),
+            world_size=ntasks, local_world_size=max(1, ntasks // nnodes),
+            master_addr=env.get("MASTER_ADDR") or first_host(nodelist), master_port=port)
+    return Launcher(kind="none")
+
+
+# --------------------------------------------------------------------------- rank helpers
+
+def _initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    if _initialized():
+        import torch.distributed as dist
+
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+def get_world_size() -> int:
+    if _initialized():
+        import torch.distributed as dist
+
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def is_main() -> bool:
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    if _initialized():
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def all_reduce_sum_(*tensors) -> None:
+    if _initialized():
+        import torch.distributed as dist
+
+        for t in tensors:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    if not _initialized():
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def unwrap(model):
+    """The plain network under DDP and ``torch.compile`` wrappers."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+# --------------------------------------------------------------------------- process group
+
+def timeout() -> timedelta:
+    raw = os.environ.get(TIMEOUT_ENV)
+    try:
+        minutes = float(raw) if raw else DEFAULT_TIMEOUT_MIN
+    except ValueError:
+        from echelon3.errors import ConfigError
+
+        raise ConfigError(TIMEOUT_ENV, f"must be a number of minutes, got {raw!r}") from None
+    return timedelta(minutes=minutes)
+
+
+def setup_process_group(launcher: Launcher, backend: str) -> None:
+    """Join the job's process group (``env://``); a no-op for a single process."""
+    if launcher.world_size <= 1 or _initialized():
+        return
+    if launcher.kind == "slurm":
+        # Translate SLURM's names into the ones torch and the rank helpers read.
+        os.environ.update(RANK=str(launcher.rank), LOCAL_RANK=str(launcher.local_rank),
+                          WORLD_SIZE=str(launcher.world_size),
+                          LOCAL_WORLD_SIZE=str(launcher.local_world_size),
+                          MASTER_ADDR=launcher.master_addr, MASTER_PORT=str(launcher.master_port))
+    import torch.distributed as dist
+
+    dist.init_process_group(backend=backend, timeout=timeout())
+
+
+def teardown_process_group() -> None:
+    if _initialized():
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- spawning
+
+class WorkerFailed(Exception):
+    """A spawned worker raised or was killed; ``exit_code`` is what the launcher returns."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+OOM_HINT = ("a process was killed by SIGKILL, most likely the OOM-killer: lower "
+            "dataloaders.*.config.num_workers / prefetch_factor (they are per rank)")
+
+
+def _describe_failures(err) -> tuple[str, int]:
+    """Turn elastic's ChildFailedError into one readable message and an exit code.
+
+    Workers print their own traceback (or one-line user error) on stderr before
+    exiting, so the summary only names who failed and how.
+    """
+    import signal
+
+    lines, codes = [], set()
+    for rank, failure in sorted(err.failures.items()):
+        code = failure.exitcode
+        if code in (130, -signal.SIGINT):
+            codes.add(130)
+            continue
+        codes.add(2 if code == 2 else 1)
+        if code == -signal.SIGKILL:
+            lines.append(f"rank {rank} (pid {failure.pid}): {OOM_HINT}")
+        elif code < 0:
+            lines.append(f"rank {rank} (pid {failure.pid}) died from signal "
+                         f"{failure.signal_name()}")
+        elif code != 2:
+            lines.append(f"rank {rank} (pid {failure.pid}) failed with exit code {code}; "
+                         "its traceback is above")
+    if lines:
+        return "\n".join(lines), 2 if codes == {2} else 1
+    return ("interrupted", 130) if 130 in codes else ("a worker reported an error above", 2)
+
+
+def spawn(entrypoint: Callable, args: tuple, nproc: int) -> None:
+    """Run ``entrypoint(*args)`` in ``nproc`` local workers via elastic_launch (no restarts)."""
+    import torch.distributed.elastic.multiprocessing.errors as elastic_errors
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+        monitor_interval=0.2, start_method="spawn", logs_specs=DefaultLogsSpecs(),
+        shutdown_timeout=10)
+    try:
+        elastic_launch(config, entrypoint)(*args)
+    except elastic_errors.ChildFailedError as e:
+        message, code = _describe_failures(e)
+        raise WorkerFailed(message, code) from None

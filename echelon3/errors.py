@@ -1,0 +1,41 @@
+"""Errors a user can cause. The CLI turns them into one line and exit code 2."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Iterable
+
+
+class UserError(Exception):
+    """A problem in the config, the command line or the files a run points at.
+
+    ``key`` is the config path at fault (``optimizer.type``) or a file name;
+    the message always starts with it so the user knows where to look.
+    """
+
+    def __init__(self, key: str | None, message: str):
+        self.key = key
+        self.message = message
+        super().__init__(f"{key}: {message}" if key else message)
+
+
+class ConfigError(UserError):
+    """The YAML, its composition, or an override is wrong."""
+
+
+class BuildError(UserError):
+    """A component could not be imported or constructed."""
+
+
+class BatchSizeError(UserError, ValueError):
+    """A global batch size that the world size does not divide."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint file that cannot be used."""
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """Return `` (did you mean 'x'?)`` for the closest choice, or ``''``."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""

@@ -1,0 +1,1 @@
+"""Metric contract for custom metrics; torchmetrics objects work as they are."""

@@ -1,0 +1,113 @@
+"""Loggers. Every record is a flat dict with ``split``, ``epoch`` and ``step``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class Logger:
+    """The interface: ``log`` one record, ``rewind`` to a resumed step, ``close``."""
+
+    def log(self, record: dict) -> None:
+        raise NotImplementedError
+
+    def rewind(self, step: int) -> None:
+        """Forget records after ``step`` (a resumed run logs them again)."""
+
+    def close(self) -> None:
+        pass
+
+
+class NoOpLogger(Logger):
+    """What every rank but 0 gets."""
+
+    def log(self, record: dict) -> None:
+        pass
+
+
+class JsonlLogger(Logger):
+    """Appends one JSON object per line to ``path`` (``history.jsonl``)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = None
+
+    def rewind(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by a kill
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, self.path)
+
+    def log(self, record: dict) -> None:
+        if self._file is None:
+            self._file = open(self.path, "a", buffering=1)
+        self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class TensorBoardLogger(Logger):
+    """Scalars to TensorBoard, tagged ``split/name``."""
+
+    def __init__(self, log_dir: str | os.PathLike):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, record: dict) -> None:
+        step = record.get("step", 0)
+        split = record.get("split", "train")
+        for name, value in record.items():
+            if name not in ("split", "epoch", "step") and isinstance(value, int | float):
+                self._writer.add_scalar(f"{split}/{name}", value, step)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def tensorboard_available() -> bool:
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class DefaultLogger(Logger):
+    """``history.jsonl`` in the run directory, and TensorBoard there when installed."""
+
+    def __init__(self, path: str | os.PathLike, tensorboard: bool | None = None):
+        self.loggers: list[Logger] = [JsonlLogger(Path(path) / "history.jsonl")]
+        if tensorboard is None:
+            tensorboard = tensorboard_available()
+        if tensorboard:
+            self.loggers.append(TensorBoardLogger(Path(path) / "tensorboard"))
+
+    def log(self, record: dict) -> None:
+        for logger in self.loggers:
+            logger.log(record)
+
+    def rewind(self, step: int) -> None:
+        for logger in self.loggers:
+            logger.rewind(step)
+
+    def close(self) -> None:
+        for logger in self.loggers:
+            logger.close()

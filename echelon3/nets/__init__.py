@@ -1,0 +1,1 @@
+"""Built-in networks for the examples."""

@@ -1,0 +1,1 @@
+"""Optimizers echelon3 adds to torch's."""

@@ -1,0 +1,120 @@
+"""``echelon3 run``: inference with a checkpoint, one CSV row per sample.
+
+Columns: ``index`` (position in its data set), ``set`` (only with named test
+sets), ``prediction`` (the arg-max class for classifier outputs, the value
+otherwise) and ``score_<k>`` (class probabilities for classifiers). Under DDP
+each rank infers its shard and rank 0 gathers and writes the rows in order.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from echelon3.dist import get_world_size, is_main
+from echelon3.checkpoint import atomic_write_text
+from echelon3.evaluate import split_batch, to_device
+
+log = logging.getLogger(__name__)
+
+
+def _inputs(batch: Any):
+    """Batches may carry labels or not; inference only needs the input."""
+    try:
+        return split_batch(batch)[0]
+    except TypeError:
+        return batch
+
+
+def _gather(rows: list) -> list:
+    if get_world_size() <= 1:
+        return rows
+    import torch.distributed as dist
+
+    parts: list = [None] * get_world_size()
+    dist.all_gather_object(parts, rows)
+    return [row for part in parts for row in part]
+
+
+class Runner:
+    """The built-in ``runner``: injects ``path=`` (target.path).
+
+    ``checkpoint``: file to load (default best.tar, else the newest rolling one);
+    ``output``: the CSV (default ``<target.path>/predictions.csv``);
+    ``data``: a dataset triple to predict on (default: the test set(s)).
+    """
+
+    lazy_specs = ("data",)  # built by the task, like the other data sets
+
+    def __init__(self, path: str, checkpoint: str | None = None, output: str | None = None,
+                 data: Mapping | None = None):
+        self.path = Path(path)
+        self.checkpoint = checkpoint
+        self.output = Path(output) if output else self.path / "predictions.csv"
+        self.data = data
+
+    @torch.no_grad()
+    def __call__(self, *, net, loaders: Mapping, precision, device, named_sets: bool) -> int:
+        rows = []
+        for set_name, loader in loaders.items():
+            order = iter(loader.sampler)
+            for batch in loader:
+                with precision.autocast():
+                    out = net(to_device(_inputs(batch), device)).float().cpu()
+                for pred in out:
+                    rows.append((set_name, next(order), pred))
+        rows = _gather(rows)
+        if is_main():
+            self.write(sorted(rows, key=lambda r: (list(loaders).index(r[0]), r[1])), named_sets)
+        return len(rows)
+
+    def write(self, rows: list, named_sets: bool) -> None:
+        width = max((r[2].numel() for r in rows), default=1)
+        classifier = width > 1
+        header = ["index", *(["set"] if named_sets else []), "prediction"]
+        header += [f"score_{k}" for k in range(width)] if classifier else []
+        buffer = io.StringIO()
+        writer = csv.writer(buffer)
+        writer.writerow(header)
+        for set_name, index, pred in rows:
+            pred = pred.flatten()
+            row: list[Any] = [index, *([set_name] if named_sets else [])]
+            if classifier:
+                probs = torch.softmax(pred, dim=0)
+                row += [int(pred.argmax()), *(f"{p:.6g}" for p in probs.tolist())]
+            else:
+                row.append(f"{pred.item():.6g}")
+            writer.writerow(row)
+        atomic_write_text(self.output, buffer.getvalue())
+        log.info("wrote %d predictions to %s", len(rows), self.output)
+
+
+def run(rc, device, launcher) -> None:
+    from echelon3 import build
+    from echelon3.config import require
+    from echelon3.data import create_dataloaders
+    from echelon3.tasks import load_for_inference
+
+    cfg = rc.cfg
+    require(cfg, "net", "dataloaders", "target", task="run")
+    spec = build.with_default_type(cfg.get("runner"), "runner", "echelon3.run", "Runner")
+    runner = build.instantiate(spec, "runner", rc.config_dir, path=cfg.target.path)
+    net, precision = load_for_inference(rc, device, getattr(runner, "checkpoint", None))
+    data = getattr(runner, "data", None)
+    if data is not None:
+        sets, named = {"run": build.instantiate(data, "runner.config.data", rc.config_dir)}, False
+    else:
+        require(cfg, "data", task="run")
+        _, sets, named = build.build_datasets(cfg, rc.config_dir, train=False)
+    loaders_cfg = cfg.dataloaders
+    if data is not None and "run" not in loaders_cfg:
+        loaders_cfg = {**loaders_cfg, "run": loaders_cfg.get("test")}
+    _, loaders = create_dataloaders(loaders_cfg, None, sets, rank=launcher.rank,
+                                    world_size=launcher.world_size, seed=cfg.get("seed", 0),
+                                    config_dir=rc.config_dir)
+    runner(net=net, loaders=loaders, precision=precision, device=device, named_sets=named)

@@ -1,0 +1,178 @@
+"""Where a task runs: device plan, spawning, and each worker's set-up and tear-down.
+
+The CLI process validates what it can, decides the plan (CPU / GPUs, how many
+processes), and either runs the task in-process or spawns one worker per
+device through :func:`echelon3.dist.spawn`. Each worker (or the single
+process) joins the process group, silences itself unless it is rank 0, runs
+the task and always leaves the process group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from omegaconf import OmegaConf
+
+from echelon3 import dist
+from echelon3.config import RunConfig
+from echelon3.errors import ConfigError, UserError
+
+log = logging.getLogger("echelon3")
+
+_DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the launching process decided; handed to every worker."""
+
+    device_type: str  # "cpu" | "cuda"
+    gpus: list[int] = field(default_factory=list)
+    spawn: int = 1  # workers to start here; 1 = run in-process
+    world_size: int = 1
+
+
+class RankFilter(logging.Filter):
+    """Rank 0 logs everything; other ranks only errors."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return dist.is_main() or record.levelno >= logging.ERROR
+
+
+def configure_logging() -> None:
+    root = logging.getLogger()
+    if any(getattr(h, "_echelon3", False) for h in root.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[echelon3] %(message)s"))
+    handler.addFilter(RankFilter())
+    handler._echelon3 = True
+    root.addHandler(handler)
+    logging.getLogger("echelon3").setLevel(logging.INFO)
+
+
+def _gpu_list(value, count: int) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, list) or not value or not all(
+            isinstance(g, int) and not isinstance(g, bool) for g in value):
+        raise ConfigError("gpus", f"must be a non-empty list of GPU indices, got {value!r}")
+    if len(set(value)) != len(value):
+        raise ConfigError("gpus", f"lists a GPU twice: {value}")
+    for g in value:
+        if not 0 <= g < count:
+            visible = f"0-{count - 1}" if count > 1 else ("0" if count == 1 else "none")
+            raise ConfigError("gpus", f"GPU {g} does not exist (visible GPUs: {visible})")
+    return value
+
+
+def plan_devices(cfg) -> Plan:
+    """Decide device and process count from ``device``, ``gpus``, ``nproc`` and the launcher."""
+    import torch
+
+    if cfg.get("device_ids") is not None:
+        log.warning("device_ids is ignored (DataParallel was removed); use gpus: [...] to "
+                    "select GPUs")
+    device = str(cfg.get("device") or "auto").lower()
+    if device not in _DEVICES:
+        raise ConfigError("device", f"must be one of {', '.join(_DEVICES)}, got {device!r}")
+    gpus = OmegaConf.to_container(cfg.gpus) if OmegaConf.is_list(cfg.get("gpus")) \
+        else cfg.get("gpus")
+    nproc = cfg.get("nproc")
+    if nproc is not None and (not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1):
+        raise ConfigError("nproc", f"must be a positive integer, got {nproc!r}")
+    cuda = torch.cuda.is_available() and device != "cpu"
+    if device == "cuda" and not cuda:
+        raise ConfigError("device", "cuda requested but no GPU is visible")
+    launcher = dist.detect_launcher()
+    if launcher.kind != "none":
+        # Already one worker of a job (torchrun / srun): never spawn again.
+        return Plan("cuda" if cuda else "cpu", [], 1, launcher.world_size)
+    if not cuda:
+        if gpus is not None and device != "cpu":
+            _gpu_list(gpus, 0)  # names the missing GPU
+        return Plan("cpu", [], nproc or 1, nproc or 1)
+    if nproc is not None:
+        log.warning("nproc applies to device: cpu; on GPUs use gpus: [...]")
+    gpus = _gpu_list(gpus, torch.cuda.device_count()) if gpus is not None \
+        else list(range(torch.cuda.device_count()))
+    return Plan("cuda", gpus, len(gpus), len(gpus))
+
+
+def worker_device(plan: Plan, launcher: dist.Launcher):
+    import torch
+
+    if plan.device_type == "cpu":
+        return torch.device("cpu")
+    if plan.gpus:
+        index = plan.gpus[launcher.local_rank if launcher.kind != "none" else 0]
+    else:  # started by torchrun / srun: the local rank picks among the visible GPUs
+        index = launcher.local_rank % max(1, torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _silence_non_main(rank: int) -> None:
+    if rank == 0:
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    sys.stdout.flush()
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    sys.stdout = open(os.devnull, "w")
+
+
+Task = Callable[[RunConfig, object, dist.Launcher], None]
+
+
+def run_worker(task: Task, rc: RunConfig, plan: Plan) -> None:
+    """Set up this process as one rank (or the only one), run ``task``, tear down."""
+    configure_logging()
+    launcher = dist.detect_launcher()
+    _silence_non_main(launcher.rank)
+    device = worker_device(plan, launcher)
+    dist.setup_process_group(launcher, "nccl" if device.type == "cuda" else "gloo")
+    try:
+        task(rc, device, launcher)
+    finally:
+        dist.teardown_process_group()
+
+
+def spawned_worker(task: Task, cfg: dict, config_dir: str, config_file: str, plan: Plan) -> None:
+    """Entry point of a worker spawned by echelon3; reports errors itself, then exits."""
+    rc = RunConfig(OmegaConf.create(cfg), Path(config_dir), Path(config_file))
+    rank = os.environ.get("RANK", "?")
+    try:
+        run_worker(task, rc, plan)
+    except UserError as e:
+        print(f"echelon3: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BaseException:
+        print(f"[rank {rank}] " + traceback.format_exc().rstrip(), file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def launch(task: Task, rc: RunConfig, validate: Callable[[Plan], None] | None = None) -> None:
+    """Plan, validate before anything starts, then run in-process or spawn workers."""
+    configure_logging()
+    plan = plan_devices(rc.cfg)
+    if validate is not None:
+        validate(plan)
+    if plan.spawn <= 1:
+        run_worker(task, rc, plan)
+        return
+    # As torchrun does: keep N workers from each starting a thread per core.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.spawn)))
+    log.info("starting %d workers (%s)", plan.spawn,
+             f"GPUs {plan.gpus}" if plan.gpus else "CPU, gloo")
+    cfg = OmegaConf.to_container(rc.cfg, resolve=True)
+    dist.spawn(spawned_worker, (task, cfg, str(rc.config_dir), str(rc.config_file), plan),
+               plan.spawn)

@@ -1,0 +1,42 @@
+"""Set-up shared by the train / evaluate / run tasks."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import numpy as np
+import torch
+
+from echelon3 import build
+from echelon3.checkpoint import CheckpointManager, load
+from echelon3.precision import Precision
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def load_for_inference(rc, device, checkpoint: str | None):
+    """The network with a checkpoint's weights, in eval mode, and the root ``precision``."""
+    cfg = rc.cfg
+    seed_everything(int(cfg.get("seed", 0)))
+    manager: CheckpointManager = build.build_target(cfg, rc.config_dir)
+    path = manager.for_inference(checkpoint)
+    state = load(path)
+    net = build.build_net(cfg, rc.config_dir)
+    try:
+        net.load_state_dict(state["model_state_dict"])
+    except RuntimeError as e:
+        from echelon3.errors import CheckpointError
+
+        raise CheckpointError(str(path), "does not fit the configured network: "
+                              f"{str(e).splitlines()[0]}") from e
+    net.to(device).eval()
+    precision = Precision.from_config(device, cfg.get("precision"), key="precision")
+    log.info("loaded %s (epoch %s); precision %s", path, state.get("epoch"), precision.describe())
+    return net, precision

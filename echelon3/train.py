@@ -1,0 +1,185 @@
+"""``echelon3 train``: assemble the run from its config, resume if possible, hand it to the trainer.
+
+Resume: when ``target.path`` holds checkpoints the newest one that loads is
+continued (network, optimizer, scheduler, scaler, epoch, step, best-so-far
+metrics, RNG states). A checkpoint remembers a fingerprint of the config that
+made it, ignoring keys that may change between attempts (epochs, devices,
+loader workers, logging); if the fingerprint differs, root ``on_config_change``
+decides: ``error`` (default) stops with exit 2, ``restart`` moves the old
+files aside into ``superseded-<time>/`` and starts over, ``resume`` continues anyway.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from echelon3 import __version__, build
+from echelon3.checkpoint import BEST, KEPT_BEST, CheckpointManager, atomic_write_text
+from echelon3.config import RunConfig, require
+from echelon3.data import create_dataloaders
+from echelon3.dist import is_main
+from echelon3.errors import CheckpointError, ConfigError
+from echelon3.mlops import NoOpLogger
+from echelon3.precision import Precision
+from echelon3.tasks import seed_everything
+from echelon3.trainers.baseline import is_closure_optimizer
+
+log = logging.getLogger(__name__)
+
+# trainer.config keys used to set the run up rather than by the loop itself.
+RUNTIME_KEYS = {"precision": None, "tf32": True, "cudnn_benchmark": True, "compile": False,
+                "compile_mode": None, "ddp_find_unused_parameters": True}
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune",
+                 "max-autotune-no-cudagraphs")
+# Keys that may differ between attempts of the same run without making it another run.
+VOLATILE = ("device", "gpus", "nproc", "device_ids", "mlops", "evaluator", "runner",
+            "on_config_change", "trainer.config.epochs", "trainer.config.precision",
+            "trainer.config.tf32", "trainer.config.cudnn_benchmark", "trainer.config.compile",
+            "trainer.config.compile_mode", "trainer.config.log_every_n_steps",
+            "trainer.config.progress_bar", "target.checkpoints_to_keep")
+_LOADER_VOLATILE = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
+ON_CHANGE = ("error", "restart", "resume")
+
+
+def runtime_settings(cfg) -> dict:
+    given = OmegaConf.to_container(cfg.trainer.get("config") or OmegaConf.create({}))
+    settings = {k: given.get(k, default) for k, default in RUNTIME_KEYS.items()}
+    if settings["compile_mode"] not in COMPILE_MODES:
+        raise ConfigError("trainer.config.compile_mode", f"must be one of "
+                          f"{', '.join(str(m) for m in COMPILE_MODES)}; got "
+                          f"{settings['compile_mode']!r}")
+    for key in ("tf32", "cudnn_benchmark", "compile", "ddp_find_unused_parameters"):
+        if not isinstance(settings[key], bool):
+            raise ConfigError(f"trainer.config.{key}", f"must be true or false, got "
+                              f"{settings[key]!r}")
+    return settings
+
+
+def fingerprint(cfg) -> str:
+    """A hash of what defines the run (see VOLATILE for what does not)."""
+    data = OmegaConf.to_container(cfg, resolve=True)
+    for dotted in VOLATILE:
+        *parents, last = dotted.split(".")
+        node = data
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(last, None)
+    for loader in (data.get("dataloaders") or {}).values():
+        for key in _LOADER_VOLATILE:
+            ((loader or {}).get("config") or {}).pop(key, None)
+    data = {k: v for k, v in data.items() if not str(k).startswith("_")}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def find_resume_state(cfg, checkpoints: CheckpointManager, fp: str):
+    found = checkpoints.latest_loadable()
+    if found is None:
+        return None
+    path, state = found
+    previous = state.get("config_fingerprint")
+    if previous is None or previous == fp:
+        log.info("Resuming from %s (epoch %d, step %d)", path, state["epoch"],
+                 state["global_step"])
+        return state
+    policy = cfg.get("on_config_change", "error")
+    if policy not in ON_CHANGE:
+        raise ConfigError("on_config_change", f"must be one of {', '.join(ON_CHANGE)}, "
+                          f"got {policy!r}")
+    if policy == "resume":
+        log.warning("%s was made by a different config; resuming anyway (on_config_change: "
+                    "resume)", path)
+        return state
+    if policy == "error":
+        raise CheckpointError(str(checkpoints.path), "holds checkpoints of a different config; "
+                              "use another target.path, or set on_config_change=restart "
+                              "(moves them aside) or on_config_change=resume")
+    if is_main():
+        aside = checkpoints.path / time.strftime("superseded-%Y%m%d-%H%M%S")
+        aside.mkdir()
+        for old in [*checkpoints.rolling(), checkpoints.path / BEST,
+                    checkpoints.path / KEPT_BEST, checkpoints.path / "history.jsonl"]:
+            if old.exists():
+                shutil.move(str(old), aside / old.name)
+        log.warning("config changed since %s: previous files moved to %s; starting over",
+                    path, aside)
+    from echelon3.dist import barrier
+
+    barrier()
+    return None
+
+
+def write_run_config(cfg, path: Path) -> None:
+    if not is_main():
+        return
+    data = OmegaConf.to_container(cfg, resolve=True)
+    data["_versions"] = {"echelon3": __version__, "torch": str(torch.__version__)}
+    atomic_write_text(path / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(data)))
+
+
+def wrap(net, device, world_size: int, settings: dict):
+    """torch.compile first, then DDP: checkpoints strip both prefixes."""
+    model = net
+    if settings["compile"]:
+        model = torch.compile(model, mode=settings["compile_mode"])
+    if world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=settings["ddp_find_unused_parameters"])
+    return model
+
+
+def train(rc: RunConfig, device, launcher) -> None:
+    cfg = rc.cfg
+    require(cfg, "net", "data", "dataloaders", "loss", "optimizer", "trainer", "target",
+            task="train")
+    settings = runtime_settings(cfg)
+    seed = int(cfg.get("seed", 0))
+    seed_everything(seed)
+    checkpoints = build.build_target(cfg, rc.config_dir)
+    fp = fingerprint(cfg)
+    state = find_resume_state(cfg, checkpoints, fp)
+
+    net = build.build_net(cfg, rc.config_dir)
+    if state is not None:
+        net.load_state_dict(state["model_state_dict"])
+    net.to(device)
+    train_set, tests, named = build.build_datasets(cfg, rc.config_dir)
+    train_loader, test_loaders = create_dataloaders(
+        cfg.dataloaders, train_set, tests, rank=launcher.rank, world_size=launcher.world_size,
+        seed=seed, config_dir=rc.config_dir)
+    losses = {k: (fn.to(device) if hasattr(fn, "to") else fn, w)
+              for k, (fn, w) in build.build_losses(cfg, rc.config_dir).items()}
+    metrics = {k: m.to(device) for k, m in build.build_metrics(cfg, rc.config_dir).items()}
+    optimizer = build.build_optimizer(cfg, net.parameters(), rc.config_dir)
+    scheduler = build.build_scheduler(cfg, optimizer, rc.config_dir)
+    precision = Precision.from_config(device, settings["precision"], settings["tf32"],
+                                      settings["cudnn_benchmark"],
+                                      closure=is_closure_optimizer(optimizer))
+    log.info("training on %s x%d, precision %s%s", device, launcher.world_size,
+             precision.describe(), ", compiled" if settings["compile"] else "")
+    model = wrap(net, device, launcher.world_size, settings)
+
+    write_run_config(cfg, checkpoints.path)
+    logger = build.build_mlops(cfg, str(checkpoints.path), rc.config_dir) if is_main() \
+        else NoOpLogger()
+    trainer = build.build_trainer(
+        cfg, rc.config_dir, runtime_keys=RUNTIME_KEYS, net=model, losses=losses,
+        optimizer=optimizer, scheduler=scheduler, train_loader=train_loader,
+        test_loaders=test_loaders, metrics=metrics, checkpoints=checkpoints, logger=logger,
+        precision=precision, device=device, named_sets=named, resume_state=state,
+        extra_state={"config_fingerprint": fp})
+    try:
+        trainer.fit()
+    finally:
+        logger.close()

@@ -1,0 +1,1 @@
+"""Training loops. ``baseline.Trainer`` is the default."""

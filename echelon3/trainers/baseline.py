@@ -1,0 +1,197 @@
+"""The training loop, over objects it is handed (built in ``echelon3.train``).
+
+Per step: zero grads, forward under the precision's autocast, the weighted sum
+of the configured losses, backward, optimizer step (closure optimizers get a
+closure). The scheduler steps once per epoch. Validation runs
+``times_to_validate_per_epoch`` times per epoch on every rank over its shard,
+through the network without its DDP wrapper; metrics reduce across ranks, so
+keep-best decides the same on every rank. Only rank 0 writes (checkpoint
+manager and logger enforce that).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from tqdm.auto import tqdm
+
+from echelon3.checkpoint import rng_state, set_rng_state, strip_prefixes
+from echelon3.data import set_epoch
+from echelon3.dist import all_reduce_sum_, get_world_size, is_main, unwrap
+from echelon3.evaluate import evaluate_sets, metric_name, split_batch, to_device, weighted_loss
+from echelon3.trainers.selection import KeepBest
+
+log = logging.getLogger(__name__)
+
+CLOSURE_OPTIMIZERS = ("SAMOptimizer", "LBFGS")
+
+
+def is_closure_optimizer(optimizer) -> bool:
+    return type(optimizer).__name__ in CLOSURE_OPTIMIZERS
+
+
+class Trainer:
+    """Injected: everything but the keyword settings below, which come from ``trainer.config``."""
+
+    def __init__(self, *, net, losses, optimizer, train_loader, test_loaders, metrics,
+                 checkpoints, logger, precision, device, scheduler=None, named_sets=False,
+                 resume_state=None, extra_state=None, epochs: int = 10,
+                 times_to_validate_per_epoch: int = 1,
+                 keep_best_on: Any = None, high_is_better: bool = True,
+                 metrics_on: str | Sequence[str] | None = None, float_labels: bool = False,
+                 log_every_n_steps: int = 10, progress_bar: bool = True):
+        if int(epochs) < 1 or int(times_to_validate_per_epoch) < 1:
+            raise ValueError("epochs and times_to_validate_per_epoch must be at least 1")
+        self.net, self.losses, self.optimizer = net, losses, optimizer
+        self.scheduler, self.precision, self.device = scheduler, precision, device
+        self.train_loader, self.test_loaders, self.metrics = train_loader, test_loaders, metrics
+        self.checkpoints, self.logger, self.named_sets = checkpoints, logger, named_sets
+        self.epochs, self.validations = int(epochs), int(times_to_validate_per_epoch)
+        self.float_labels, self.log_every = float_labels, max(1, int(log_every_n_steps))
+        self.progress_bar = progress_bar and is_main()
+        self.extra_state = dict(extra_state or {})
+        self.closure = is_closure_optimizer(optimizer)
+        sets = [metrics_on] if isinstance(metrics_on, str) else list(metrics_on or test_loaders)
+        unknown = [s for s in sets if s not in test_loaders]
+        if unknown:
+            from echelon3.errors import ConfigError
+
+            raise ConfigError("trainer.config.metrics_on", f"unknown test set '{unknown[0]}'; "
+                              f"known: {', '.join(test_loaders)}")
+        self.metric_sets = sets
+        self.keep_best = KeepBest(keep_best_on, high_is_better, self.metric_names(),
+                                  sets[0] if named_sets else None)
+        self.epoch, self.global_step = 0, 0
+        self.best_metrics: dict[str, float] | None = None
+        self.last_metrics: dict[str, float] = {}
+        self._rng = None  # RNG state to restore right before training resumes
+        if resume_state is not None:
+            self.restore(resume_state)
+
+    # ------------------------------------------------------------------ names and state
+
+    def metric_names(self) -> list[str]:
+        names = [metric_name(s, "loss", self.named_sets) for s in self.test_loaders]
+        names += [metric_name(s, m, self.named_sets) for s in self.metric_sets
+                  for m in self.metrics]
+        return names
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model_state_dict": strip_prefixes(unwrap(self.net).state_dict()),
+            "optimizer_state_dict": self.optimizer.state_dict(),
+            "scheduler_state_dict": self.scheduler.state_dict() if self.scheduler else None,
+            "scaler_state_dict": self.precision.state_dict(),
+            "epoch": self.epoch,
+            "global_step": self.global_step,
+            "metrics": dict(self.last_metrics),
+            "best_metrics": dict(self.best_metrics) if self.best_metrics else None,
+            "rng_state": rng_state(),
+            **self.extra_state,
+        }
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Continue from a checkpoint (the network weights are loaded by the caller)."""
+        self.optimizer.load_state_dict(state["optimizer_state_dict"])
+        if self.scheduler is not None and state.get("scheduler_state_dict"):
+            self.scheduler.load_state_dict(state["scheduler_state_dict"])
+        self.precision.load_state_dict(state.get("scaler_state_dict"))
+        self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
+        self.best_metrics = state.get("best_metrics")
+        self.last_metrics = dict(state.get("metrics") or {})
+        self._rng = state.get("rng_state")
+
+    # ------------------------------------------------------------------ one step
+
+    def train_step(self, batch) -> dict[str, float]:
+        inputs, target = to_device(split_batch(batch), self.device)
+        recorded: dict[str, torch.Tensor] = {}
+
+        def closure():
+            self.optimizer.zero_grad(set_to_none=True)
+            with self.precision.autocast():
+                total, parts = weighted_loss(self.losses, self.net(inputs), target,
+                                             self.float_labels)
+            self.precision.backward(total)
+            if not recorded:
+                recorded.update(parts, loss=total)
+            return total
+
+        if self.closure:
+            self.precision.step(self.optimizer, closure)
+        else:
+            closure()
+            self.precision.step(self.optimizer)
+        return {k: v.detach() for k, v in recorded.items()}
+
+    # ------------------------------------------------------------------ validation
+
+    def evaluate(self) -> dict[str, float]:
+        """Validation through the network without its DDP wrapper, every rank on its shard."""
+        net = self.net.module if isinstance(self.net, DistributedDataParallel) else self.net
+        return evaluate_sets(net, self.test_loaders, self.metrics, precision=self.precision,
+                             device=self.device, losses=self.losses, named_sets=self.named_sets,
+                             metric_sets=self.metric_sets, float_labels=self.float_labels,
+                             progress=self.progress_bar)
+
+    def validate(self) -> None:
+        metrics = self.evaluate()
+        self.last_metrics = metrics
+        best = self.keep_best.is_better(metrics, self.best_metrics)
+        if best:
+            self.best_metrics = dict(metrics)
+        self.logger.log({"split": "val", "epoch": self.epoch, "step": self.global_step, **metrics})
+        summary = " | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        log.info("epoch %d step %d | %s%s", self.epoch, self.global_step, summary,
+                 " | new best" if best else "")
+        if best:
+            self.checkpoints.save_best(self.state_dict())
+
+    # ------------------------------------------------------------------ the loop
+
+    def _log_train(self, sums: dict[str, torch.Tensor], count: int) -> None:
+        names = sorted(sums)
+        values = torch.stack([sums[n].float() for n in names]) / (count * get_world_size())
+        all_reduce_sum_(values)
+        record = {"split": "train", "epoch": self.epoch + 1, "step": self.global_step}
+        record.update({n: v.item() for n, v in zip(names, values)})
+        record["lr"] = self.optimizer.param_groups[0]["lr"]
+        self.logger.log(record)
+
+    def fit(self) -> dict[str, float] | None:
+        if self._rng is not None:
+            set_rng_state(self._rng)
+            self._rng = None
+        self.logger.rewind(self.global_step)
+        steps = len(self.train_loader)
+        checkpoints_at = {round(steps * (k + 1) / self.validations) for k in
+                          range(self.validations - 1)}
+        for epoch in range(self.epoch, self.epochs):
+            set_epoch(self.train_loader, epoch)
+            self.net.train()
+            sums: dict[str, torch.Tensor] = {}
+            count = 0
+            bar = tqdm(self.train_loader, desc=f"epoch {epoch + 1}/{self.epochs}",
+                       disable=None if self.progress_bar else True, dynamic_ncols=True)
+            for i, batch in enumerate(bar, start=1):
+                parts = self.train_step(batch)
+                self.global_step += 1
+                for k, v in parts.items():
+                    sums[k] = sums.get(k, 0) + v
+                count += 1
+                if i % self.log_every == 0 or i == steps:
+                    self._log_train(sums, count)
+                    bar.set_postfix(loss=f"{(sums['loss'] / count).item():.4f}")
+                    sums, count = {}, 0
+                if i in checkpoints_at:
+                    self.validate()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self.epoch = epoch + 1
+            self.validate()
+            self.checkpoints.save_checkpoint(self.state_dict(), self.epoch)
+        self.checkpoints.ensure_best()
+        return self.best_metrics
