@@ -19,14 +19,19 @@ import importlib
 import importlib.util
 import inspect
 import sys
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from echelon3.errors import BuildError, did_you_mean
+from echelon3.errors import BuildError, UserError, did_you_mean
 
 SPEC_KEYS = {"module", "type", "config"}
+
+# The config directory of the component being constructed, so that a container
+# building its lazy specs itself finds ``.py`` files beside the config too.
+_CONFIG_DIR: ContextVar[Path | None] = ContextVar("echelon3_config_dir", default=None)
 
 
 def is_spec(node: Any) -> bool:
@@ -72,8 +77,11 @@ def import_module(name: str, key: str, config_dir: Path | None = None):
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
         if e.name and (name == e.name or name.startswith(e.name + ".")):
+            file = name.replace(".", "/") + ".py"
+            hint = (f"; to load {config_dir / file} next to the config, write "
+                    f"module: {file}") if config_dir and (config_dir / file).is_file() else ""
             raise BuildError(f"{key}.module", f"cannot import '{name}' "
-                             f"(no module named '{e.name}')") from e
+                             f"(no module named '{e.name}'){hint}") from e
         raise BuildError(f"{key}.module", f"importing '{name}' failed: {e}") from e
     except Exception as e:
         raise BuildError(f"{key}.module", f"importing '{name}' failed: "
@@ -146,9 +154,19 @@ def _build_nested(value: Any, key: str, config_dir: Path | None) -> Any:
 
 def instantiate(spec: Mapping, key: str, config_dir: Path | None = None,
                 extra_keys: tuple[str, ...] = (), **injected: Any) -> Any:
-    """Build one triple. ``injected`` are runtime objects the section supplies."""
+    """Build one triple. ``injected`` are runtime objects the section supplies.
+
+    Without ``config_dir``, the one of the component under construction is used.
+    """
+    if config_dir is None:
+        config_dir = _CONFIG_DIR.get()
     if not is_spec(spec):
         raise BuildError(key, "needs 'module' and 'type'")
+    if isinstance(spec, DictConfig):
+        missing = sorted(OmegaConf.missing_keys(spec))
+        if missing:
+            raise BuildError(missing[0], "has no value ('???'); set it in the YAML or with "
+                             f"{missing[0]}=...")
     allowed = SPEC_KEYS | set(extra_keys)
     for k in spec:
         if k not in allowed:
@@ -168,11 +186,47 @@ def instantiate(spec: Mapping, key: str, config_dir: Path | None = None,
     kwargs = {k: to_plain(v) for k, v in kwargs.items()}
     kwargs.update(injected)
     check_arguments(target, kwargs, key, injected)
+    token = _CONFIG_DIR.set(config_dir)
     try:
         return target(**kwargs)
+    except UserError:
+        raise
     except (TypeError, ValueError) as e:
         raise BuildError(key, f"{getattr(target, '__qualname__', target)} rejected its "
                          f"arguments: {e}") from e
+    finally:
+        _CONFIG_DIR.reset(token)
+
+
+def iter_specs(node: Any, key: str):
+    """Every triple under ``node`` as (config path, spec), outer ones first."""
+    if is_spec(node):
+        yield key, node
+        node = node.get("config")
+        key = f"{key}.config"
+    if isinstance(node, Mapping | DictConfig):
+        for k, v in node.items():
+            yield from iter_specs(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(node, list | ListConfig):
+        for i, item in enumerate(node):
+            # A root section listing `- name: triple` (loss, metrics) names entries by name.
+            if "." not in key and isinstance(item, Mapping | DictConfig) and len(item) == 1:
+                yield from iter_specs(item, key)
+            else:
+                yield from iter_specs(item, f"{key}[{i}]")
+
+
+def check_specs(cfg, config_dir: Path | None = None, skip: tuple[str, ...] = ()) -> None:
+    """Import every ``module`` and find every ``type`` now, before processes start.
+
+    Root keys in ``skip`` and the user's own ``_`` keys are left out; arguments
+    are checked when each section is built (it knows what it injects).
+    """
+    for section, node in cfg.items():
+        if section in skip or str(section).startswith("_"):
+            continue
+        for key, spec in iter_specs(node, str(section)):
+            resolve_type(spec, key, config_dir)
 
 
 # --------------------------------------------------------------------------- section builders
@@ -285,15 +339,23 @@ def build_scheduler(cfg, optimizer, config_dir: Path | None = None):
 
 
 def with_default_type(node: Any, key: str, module: str, type_: str) -> dict:
-    """A section whose ``module``/``type`` may be left out in favour of a built-in."""
+    """A section whose ``module``/``type`` may be left out in favour of a built-in.
+
+    Without them its settings may sit under ``config:`` or directly in the section
+    (``evaluator.output`` and ``evaluator.config.output`` mean the same).
+    """
     node = to_plain(node) or {}
     if not isinstance(node, dict):
         raise BuildError(key, f"must be a mapping, got {node!r}")
-    if ("module" in node) != ("type" in node):
-        raise BuildError(key, "give both 'module' and 'type', or neither for the built-in")
-    node.setdefault("module", module)
-    node.setdefault("type", type_)
-    return node
+    if "module" in node or "type" in node:
+        if ("module" in node) != ("type" in node):
+            raise BuildError(key, "give both 'module' and 'type', or neither for the built-in")
+        return node
+    if "config" in node and len(node) > 1:
+        other = next(k for k in node if k != "config")
+        raise BuildError(f"{key}.{other}", "put settings either under 'config' or directly in "
+                         f"'{key}', not both")
+    return {"module": module, "type": type_, "config": node.get("config", node)}
 
 
 def build_target(cfg, config_dir: Path | None = None):
@@ -303,6 +365,11 @@ def build_target(cfg, config_dir: Path | None = None):
         raise BuildError("target.path", "required: the directory for checkpoints and results")
     node = to_plain(target)
     if not is_spec(node):
+        known = ("path", "checkpoints_to_keep")
+        for k in node:
+            if k not in known:
+                raise BuildError(f"target.{k}", f"unknown key{did_you_mean(str(k), known)}; "
+                                 f"target takes {', '.join(known)}")
         node = {"module": "echelon3.checkpoint", "type": "CheckpointManager", "config": node}
     return instantiate(node, "target", config_dir)
 

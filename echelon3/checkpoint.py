@@ -31,22 +31,30 @@ BEST = "best.tar"
 # declared output before rerunning a job must not destroy the best weights.
 KEPT_BEST = ".best.tar"
 _ROLLING = re.compile(r"^checkpoint-(\d+)\.tar$")
-_PREFIXES = ("module.", "_orig_mod.")
+
+
+def _drop_leading(key: str, prefix: str) -> str:
+    while key.startswith(prefix):
+        key = key[len(prefix):]
+    return key
 
 
 def strip_prefixes(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Drop ``module.`` (DDP/DataParallel) and ``_orig_mod.`` (torch.compile) from keys."""
-    out = {}
-    for key, value in state_dict.items():
-        changed = True
-        while changed:
-            changed = False
-            for prefix in _PREFIXES:
-                if key.startswith(prefix):
-                    key, changed = key[len(prefix):], True
-            key = key.replace("._orig_mod.", ".")
-        out[key] = value
-    return out
+    """Drop ``module.`` (DDP/DataParallel) and ``_orig_mod.`` (torch.compile) from keys.
+
+    ``_orig_mod`` is torch.compile's own attribute and goes wherever it appears;
+    ``module.`` goes only when every key starts with it (a wrapper), so a network
+    with a child of its own called ``module`` keeps its names.
+    """
+    keys = list(state_dict)
+    while True:
+        keys = [_drop_leading(k, "_orig_mod.") for k in keys]
+        if not keys or not all(k.startswith("module.") for k in keys):
+            break
+        keys = [k[len("module."):] for k in keys]
+    while any("._orig_mod." in k for k in keys):
+        keys = [k.replace("._orig_mod.", ".") for k in keys]
+    return dict(zip(keys, state_dict.values()))
 
 
 def _umask() -> int:

@@ -2,7 +2,8 @@
 
 Heavy imports (torch, the tasks) happen inside the commands, so ``--help`` is
 instant. Exit codes: 0 success, 2 a user error (one line naming the config key
-or file), 130 Ctrl-C, 1 anything else. ``ECHELON3_DEBUG=1`` shows tracebacks.
+or file), 130 Ctrl-C, 1 anything else. ``ECHELON3_DEBUG=1`` adds the full
+traceback to a user error or an interruption; the exit code stays the same.
 """
 
 from __future__ import annotations
@@ -10,6 +11,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
+
+# Sections only another task builds; their components are not imported up front.
+OTHER_TASKS_ONLY = {"train": ("evaluator", "runner"), "evaluate": ("runner",),
+                    "run": ("evaluator",)}
 
 TASKS = {
     "train": ("echelon3.train", "train", "train a network (resumes when target.path holds "
@@ -71,33 +77,46 @@ def _execute(args) -> None:
         sys.stdout.write(to_yaml(rc.cfg))
         return
     from echelon3 import data, runtime
+    from echelon3.build import check_specs
 
     module, function, _ = TASKS[args.command]
     task = getattr(importlib.import_module(module), function)
 
     def validate(plan):
         data.check_batch_sizes(rc.cfg.get("dataloaders"), plan.world_size)
+        check_specs(rc.cfg, rc.config_dir, skip=OTHER_TASKS_ONLY[args.command])
 
     runtime.launch(task, rc, validate)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+def _user_error(e: BaseException):
+    """The one-line form of an error the user caused, or None."""
     from echelon3.errors import UserError
 
+    if isinstance(e, UserError):
+        return str(e)
+    if type(e).__name__ == "MissingMandatoryValue" and type(e).__module__.startswith("omegaconf"):
+        key = getattr(e, "full_key", None) or "config"
+        return f"{key}: has no value ('???'); set it in the YAML or with {key}=..."
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     try:
         _execute(args)
-    except UserError as e:
-        if _debug():
-            raise
-        print(f"echelon3: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         if _debug():
-            raise
+            traceback.print_exc()
         print("echelon3: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
+        message = _user_error(e)
+        if message is not None:
+            if _debug():
+                traceback.print_exc()
+            print(f"echelon3: error: {message}", file=sys.stderr)
+            return 2
         from echelon3.dist import WorkerFailed
 
         if isinstance(e, WorkerFailed):

@@ -9,8 +9,11 @@ shape for the forms that matter for one-file-per-run configs:
 - ``- group: null``     selects nothing,
 - ``- _self_``          places the file's own keys (last when omitted).
 
-Names are looked up relative to the config directory. Other forms
-(``@package``, ``override``, ``optional``) are rejected with a clear error.
+As in Hydra, names in a file inside a group folder are looked up in that folder
+first (``data/small.yaml`` listing ``- aug: heavy`` finds
+``data/aug/heavy.yaml``), then in the config directory; a leading ``/``
+(``- /base``) means the config directory only. Other forms (``@package``,
+``override``, ``optional``) are rejected with a clear error.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from echelon3.errors import ConfigError, did_you_mean
 # Root keys the framework knows. A root key starting with "_" is the user's own
 # (handy as an interpolation source) and is left alone.
 ROOT_KEYS = (
-    "device", "gpus", "nproc", "precision", "seed", "device_ids",
+    "device", "gpus", "nproc", "precision", "seed", "device_ids", "on_config_change",
     "net", "data", "dataloaders", "loss", "metrics", "optimizer", "scheduler",
     "trainer", "target", "mlops", "evaluator", "runner",
 )
@@ -54,12 +57,29 @@ def _config_file(config_dir: Path, name: str, key: str) -> Path:
     return path
 
 
+def _default_file(config_dir: Path, here: Path, name: str, key: str) -> Path:
+    """``name`` as listed in ``defaults:`` of a file in folder ``here`` (see module doc)."""
+    if name.startswith("/"):
+        return _config_file(config_dir, name.lstrip("/"), key)
+    stem = name[:-5] if name.endswith(".yaml") else name
+    tried = []
+    for base in dict.fromkeys((here, config_dir)):
+        path = (base / f"{stem}.yaml").resolve()
+        if path.is_file():
+            return path
+        tried.append(str(path))
+    raise ConfigError(key, f"config file not found: {' or '.join(tried)}")
+
+
 def _read_yaml(path: Path) -> DictConfig:
     try:
         node = OmegaConf.load(path)
     except (yaml.YAMLError, OmegaConfBaseException) as e:
-        first = str(e).strip().splitlines()[0]
-        raise ConfigError(str(path), f"not valid YAML: {first}") from e
+        first = _first_line(str(e))
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(e, "problem", None) or first
+        raise ConfigError(str(path), f"not valid YAML{where}: {problem}") from e
     if node is None or isinstance(node, ListConfig):
         if node is None or len(node) == 0:
             return OmegaConf.create({})
@@ -75,7 +95,7 @@ def _parse_default(entry: Any, path: Path) -> tuple[str | None, str | None]:
             raise ConfigError(where, f"unsupported defaults form '{entry}' "
                               "(supported: '- name', '- group: option', '- _self_')")
         return None, entry
-    if isinstance(entry, dict) and len(entry) == 1:
+    if isinstance(entry, dict) and len(entry) == 1 and isinstance(next(iter(entry)), str):
         group, option = next(iter(entry.items()))
         if group.startswith(("override ", "optional ")) or "@" in group:
             raise ConfigError(where, f"unsupported defaults form '{group}' "
@@ -87,7 +107,13 @@ def _parse_default(entry: Any, path: Path) -> tuple[str | None, str | None]:
                       "(supported: '- name', '- group: option', '- _self_')")
 
 
+def _first_line(text: str) -> str:
+    lines = str(text).strip().splitlines()
+    return lines[0] if lines else ""
+
+
 def _compose(config_dir: Path, path: Path, stack: tuple[Path, ...]) -> DictConfig:
+    path = path.resolve()
     if path in stack:
         chain = " -> ".join(p.name for p in (*stack, path))
         raise ConfigError(f"{stack[-1]}: defaults", f"defaults cycle: {chain}")
@@ -100,15 +126,18 @@ def _compose(config_dir: Path, path: Path, stack: tuple[Path, ...]) -> DictConfi
     entries = [_parse_default(e, path) for e in OmegaConf.to_container(defaults)]
     if (None, "_self_") not in entries:
         entries.append((None, "_self_"))
+    here = path.parent
     merged = OmegaConf.create({})
     for group, option in entries:
         if group is None and option == "_self_":
             merged = OmegaConf.merge(merged, node)
         elif group is None:
-            child = _config_file(config_dir, option, f"{path}: defaults")
+            child = _default_file(config_dir, here, option, f"{path}: defaults")
             merged = OmegaConf.merge(merged, _compose(config_dir, child, (*stack, path)))
         elif option is not None:
-            child = _config_file(config_dir / group, option, f"{path}: defaults: {group}")
+            child = _default_file(config_dir, here, f"{group}/{option}",
+                                  f"{path}: defaults: {group}")
+            group = group.lstrip("/")
             sub = _compose(config_dir, child, (*stack, path))
             wrapped = OmegaConf.create({})
             OmegaConf.update(wrapped, group.replace("/", "."), sub, force_add=True)
@@ -116,8 +145,18 @@ def _compose(config_dir: Path, path: Path, stack: tuple[Path, ...]) -> DictConfi
     return merged
 
 
+def is_hydra_key(key: str) -> bool:
+    """``hydra``, ``hydra.run.dir``, ``hydra/launcher``: Hydra's own settings."""
+    return key == "hydra" or key.startswith(("hydra.", "hydra/"))
+
+
 def parse_override(text: str) -> tuple[str, str, Any]:
-    """``key=value`` / ``+key=value`` / ``++key=value`` / ``~key`` -> (op, key, value)."""
+    """``key=value`` / ``+key=value`` / ``++key=value`` / ``~key`` -> (op, key, value).
+
+    Values are typed by OmegaConf (``3``, ``0.1``, ``true``, ``null``, ``[0,1]``,
+    ``{a: 1}``, text); interpolations such as ``${oc.env:VAR,default}`` or
+    ``${net.config.hidden}`` are kept and resolved with the whole config.
+    """
     if text.startswith("~"):
         key = text[1:].split("=", 1)[0]
         op, value = "delete", None
@@ -125,27 +164,28 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         if "=" not in text:
             raise ConfigError(f"override '{text}'",
                               "malformed: expected key=value, +key=value, ++key=value or ~key")
-        key, raw = text.lstrip("+").split("=", 1)
+        body = text[2:] if text.startswith("++") else text.removeprefix("+")
+        key, raw = body.split("=", 1)
         op = "set"
+        if is_hydra_key(key):
+            return op, key, raw
         try:
-            value = OmegaConf.from_dotlist([f"v={raw}"])["v"]
+            value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={raw}"]))["v"]
         except (yaml.YAMLError, OmegaConfBaseException) as e:
             raise ConfigError(f"override '{text}'", f"cannot parse value '{raw}'") from e
-        if isinstance(value, (DictConfig, ListConfig)):
-            value = OmegaConf.to_container(value)
+    if is_hydra_key(key):
+        return op, key, value
     if not _KEY.match(key):
         raise ConfigError(f"override '{text}'", f"malformed key '{key}'")
     return op, key, value
 
 
 def _delete(cfg: DictConfig, key: str, text: str) -> None:
-    *parents, last = key.split(".")
-    node = cfg
-    for part in parents:
-        if not isinstance(node, DictConfig) or part not in node:
-            node = None
-            break
-        node = node[part]
+    parent, _, last = key.replace("[", ".").replace("]", "").rpartition(".")
+    node = OmegaConf.select(cfg, parent, default=None) if parent else cfg
+    if isinstance(node, ListConfig) and last.isdigit() and int(last) < len(node):
+        del node[int(last)]
+        return
     if not isinstance(node, DictConfig) or last not in node:
         raise ConfigError(key, f"cannot delete (override '{text}'): no such key")
     del node[last]
@@ -154,7 +194,7 @@ def _delete(cfg: DictConfig, key: str, text: str) -> None:
 def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
     for text in overrides:
         op, key, value = parse_override(text)
-        if key == "hydra" or key.startswith("hydra."):
+        if is_hydra_key(key):
             continue  # accepted for Hydra-style command lines; nothing to do
         if op == "delete":
             _delete(cfg, key, text)
@@ -162,7 +202,8 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
             try:
                 OmegaConf.update(cfg, key, value, merge=False, force_add=True)
             except OmegaConfBaseException as e:
-                raise ConfigError(key, f"cannot apply override '{text}': {e.msg}") from e
+                raise ConfigError(key, f"cannot apply override '{text}': "
+                                  f"{_first_line(e.msg)}") from e
 
 
 def _check_root_keys(cfg: DictConfig, source: Path) -> None:
@@ -177,7 +218,8 @@ def _resolve(cfg: DictConfig) -> None:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "config"
-        raise ConfigError(str(key), f"cannot resolve interpolation: {e.msg}") from e
+        raise ConfigError(str(key), f"cannot resolve interpolation: "
+                          f"{_first_line(e.msg)}") from e
 
 
 def load_config(config_dir: str | Path | None, config_name: str,

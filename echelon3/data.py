@@ -137,6 +137,10 @@ def create_dataloader(name: str, spec: Mapping, dataset: Dataset, *, train: bool
         config.setdefault("persistent_workers", False)
         config.setdefault("worker_init_fn", worker_init)
         config.setdefault("prefetch_factor", 2)
+        if sys.platform.startswith("linux"):
+            # A worker spawned by echelon3 inherits the "spawn" start method; loader workers
+            # must still fork, as under torchrun, so datasets from config-side .py files work.
+            config.setdefault("multiprocessing_context", "fork")
         if rank == 0:
             report_prefetch(name, dataset, world_size, workers, int(config["prefetch_factor"]),
                             batch)

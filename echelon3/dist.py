@@ -12,6 +12,7 @@ The rank helpers are safe no-ops in a single process.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -189,7 +190,7 @@ class WorkerFailed(Exception):
         self.exit_code = exit_code
 
 
-OOM_HINT = ("a process was killed by SIGKILL, most likely the OOM-killer: lower "
+OOM_HINT = ("killed by SIGKILL, most likely the OOM-killer: lower "
             "dataloaders.*.config.num_workers / prefetch_factor (they are per rank)")
 
 
@@ -224,7 +225,7 @@ def _describe_failures(err) -> tuple[str, int]:
 def spawn(entrypoint: Callable, args: tuple, nproc: int) -> None:
     """Run ``entrypoint(*args)`` in ``nproc`` local workers via elastic_launch (no restarts)."""
     import torch.distributed.elastic.multiprocessing.errors as elastic_errors
-    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
@@ -232,8 +233,16 @@ def spawn(entrypoint: Callable, args: tuple, nproc: int) -> None:
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
         monitor_interval=0.2, start_method="spawn", logs_specs=DefaultLogsSpecs(),
         shutdown_timeout=10)
+    # Workers print their own traceback or one-line error; the agent's notes and its
+    # copy of the same traceback would only bury it.
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")) and \
+                isinstance(logger, logging.Logger):
+            logger.setLevel(logging.CRITICAL)
     try:
         elastic_launch(config, entrypoint)(*args)
+    except SignalException as e:
+        raise KeyboardInterrupt from e
     except elastic_errors.ChildFailedError as e:
         message, code = _describe_failures(e)
         raise WorkerFailed(message, code) from None

@@ -36,6 +36,12 @@ class CheckpointError(UserError):
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """Return `` (did you mean 'x'?)`` for the closest choice, or ``''``."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    """Return `` (did you mean 'x'?)`` for the closest choice, or ``''``.
+
+    Case is ignored when comparing, so ``Adamw`` suggests ``AdamW``, not ``Adam``.
+    """
+    by_lower: dict[str, str] = {}
+    for choice in choices:
+        by_lower.setdefault(str(choice).lower(), str(choice))
+    close = difflib.get_close_matches(str(word).lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" (did you mean '{by_lower[close[0]]}'?)" if close else ""

@@ -131,22 +131,24 @@ class Evaluator:
 def evaluate(rc, device, launcher) -> None:
     from echelon3 import build
     from echelon3.config import require
-    from echelon3.tasks import load_for_inference
+    from echelon3.data import create_dataloaders
+    from echelon3.tasks import load_for_inference, seed_everything
 
     cfg = rc.cfg
     require(cfg, "net", "data", "dataloaders", "target", task="evaluate")
+    seed_everything(int(cfg.get("seed", 0)))
     spec = build.with_default_type(cfg.get("evaluator"), "evaluator", "echelon3.evaluate",
                                    "Evaluator")
     evaluator = build.instantiate(spec, "evaluator", rc.config_dir, path=cfg.target.path)
-    net, precision = load_for_inference(rc, device, getattr(evaluator, "checkpoint", None))
+    # Everything the config can get wrong is built before the checkpoint is read.
+    metrics = build.build_metrics(cfg, rc.config_dir)
+    losses = build.build_losses(cfg, rc.config_dir, required=False)
     _, tests, named = build.build_datasets(cfg, rc.config_dir, train=False)
-    from echelon3.data import create_dataloaders
-
     _, loaders = create_dataloaders(cfg.dataloaders, None, tests, rank=launcher.rank,
                                     world_size=launcher.world_size, seed=cfg.get("seed", 0),
                                     config_dir=rc.config_dir)
-    metrics = {k: m.to(device) for k, m in build.build_metrics(cfg, rc.config_dir).items()}
-    losses = {k: (fn.to(device) if hasattr(fn, "to") else fn, w)
-              for k, (fn, w) in build.build_losses(cfg, rc.config_dir, required=False).items()}
+    net, precision = load_for_inference(rc, device, getattr(evaluator, "checkpoint", None))
+    metrics = {k: m.to(device) for k, m in metrics.items()}
+    losses = {k: (fn.to(device) if hasattr(fn, "to") else fn, w) for k, (fn, w) in losses.items()}
     evaluator(net=net, test_loaders=loaders, metrics=metrics, losses=losses,
               precision=precision, device=device, named_sets=named)

@@ -98,13 +98,13 @@ def run(rc, device, launcher) -> None:
     from echelon3 import build
     from echelon3.config import require
     from echelon3.data import create_dataloaders
-    from echelon3.tasks import load_for_inference
+    from echelon3.tasks import load_for_inference, seed_everything
 
     cfg = rc.cfg
     require(cfg, "net", "dataloaders", "target", task="run")
+    seed_everything(int(cfg.get("seed", 0)))
     spec = build.with_default_type(cfg.get("runner"), "runner", "echelon3.run", "Runner")
     runner = build.instantiate(spec, "runner", rc.config_dir, path=cfg.target.path)
-    net, precision = load_for_inference(rc, device, getattr(runner, "checkpoint", None))
     data = getattr(runner, "data", None)
     if data is not None:
         sets, named = {"run": build.instantiate(data, "runner.config.data", rc.config_dir)}, False
@@ -117,4 +117,5 @@ def run(rc, device, launcher) -> None:
     _, loaders = create_dataloaders(loaders_cfg, None, sets, rank=launcher.rank,
                                     world_size=launcher.world_size, seed=cfg.get("seed", 0),
                                     config_dir=rc.config_dir)
+    net, precision = load_for_inference(rc, device, getattr(runner, "checkpoint", None))
     runner(net=net, loaders=loaders, precision=precision, device=device, named_sets=named)

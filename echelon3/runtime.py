@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -45,11 +46,20 @@ class RankFilter(logging.Filter):
         return dist.is_main() or record.levelno >= logging.ERROR
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is now (tests and callers may swap it)."""
+
+    stream = property(lambda self: sys.stderr, lambda self, value: None)
+
+
 def configure_logging() -> None:
+    import tqdm
+
+    tqdm.tqdm.monitor_interval = 0  # no monitor thread: nothing left to trip over at exit
     root = logging.getLogger()
     if any(getattr(h, "_echelon3", False) for h in root.handlers):
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("[echelon3] %(message)s"))
     handler.addFilter(RankFilter())
     handler._echelon3 = True
@@ -97,6 +107,8 @@ def plan_devices(cfg) -> Plan:
     if not cuda:
         if gpus is not None and device != "cpu":
             _gpu_list(gpus, 0)  # names the missing GPU
+        elif gpus is not None:
+            log.warning("gpus is ignored with device: cpu; remove it, or drop device: cpu")
         return Plan("cpu", [], nproc or 1, nproc or 1)
     if nproc is not None:
         log.warning("nproc applies to device: cpu; on GPUs use gpus: [...]")
@@ -140,6 +152,11 @@ def run_worker(task: Task, rc: RunConfig, plan: Plan) -> None:
     dist.setup_process_group(launcher, "nccl" if device.type == "cuda" else "gloo")
     try:
         task(rc, device, launcher)
+    except RuntimeError as e:
+        if "DataLoader worker" in str(e):  # killed or exited without an exception of its own
+            raise dist.WorkerFailed(f"a DataLoader worker died ({str(e).splitlines()[0]}); "
+                                    f"{dist.OOM_HINT}", 1) from e
+        raise
     finally:
         dist.teardown_process_group()
 
@@ -153,7 +170,12 @@ def spawned_worker(task: Task, cfg: dict, config_dir: str, config_file: str, pla
     except UserError as e:
         print(f"echelon3: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except dist.WorkerFailed as e:
+        print(f"echelon3: [rank {rank}] {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
     except KeyboardInterrupt:
+        # The launcher forwards the interrupt too; a second one must not break the exit.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         sys.exit(130)
     except BaseException:
         print(f"[rank {rank}] " + traceback.format_exc().rstrip(), file=sys.stderr, flush=True)

@@ -10,6 +10,7 @@ import torch
 
 from echelon3 import build
 from echelon3.checkpoint import CheckpointManager, load
+from echelon3.errors import CheckpointError
 from echelon3.precision import Precision
 
 log = logging.getLogger(__name__)
@@ -22,21 +23,22 @@ def seed_everything(seed: int) -> None:
 
 
 def load_for_inference(rc, device, checkpoint: str | None):
-    """The network with a checkpoint's weights, in eval mode, and the root ``precision``."""
+    """The network with a checkpoint's weights, in eval mode, and the root ``precision``.
+
+    The network and precision are built from the config first, so a config
+    mistake is reported as such before any checkpoint is read.
+    """
     cfg = rc.cfg
-    seed_everything(int(cfg.get("seed", 0)))
     manager: CheckpointManager = build.build_target(cfg, rc.config_dir)
+    net = build.build_net(cfg, rc.config_dir)
+    precision = Precision.from_config(device, cfg.get("precision"), key="precision")
     path = manager.for_inference(checkpoint)
     state = load(path)
-    net = build.build_net(cfg, rc.config_dir)
     try:
         net.load_state_dict(state["model_state_dict"])
     except RuntimeError as e:
-        from echelon3.errors import CheckpointError
-
         raise CheckpointError(str(path), "does not fit the configured network: "
                               f"{str(e).splitlines()[0]}") from e
     net.to(device).eval()
-    precision = Precision.from_config(device, cfg.get("precision"), key="precision")
     log.info("loaded %s (epoch %s); precision %s", path, state.get("epoch"), precision.describe())
     return net, precision

@@ -8,6 +8,7 @@ counter-based metric sums its accumulators there with :func:`all_reduce_sum_`.
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 
 import torch
@@ -44,8 +45,25 @@ class Metric(ABC):
         return self
 
 
+def _takes(method, count: int) -> bool:
+    try:
+        inspect.signature(method).bind(*([None] * count))
+    except TypeError:
+        return False
+    except ValueError:  # no signature to inspect (some builtins): assume it fits
+        return True
+    return True
+
+
 def is_usable_metric(obj) -> bool:
-    return all(callable(getattr(obj, name, None)) for name in ("update", "compute", "reset"))
+    """A metric object: ``update(preds, target)``, ``compute()`` and ``reset()`` that fit."""
+    if isinstance(obj, type):
+        return False  # a class, not an instance of one
+    methods = {name: getattr(obj, name, None) for name in ("update", "compute", "reset")}
+    if not all(callable(m) for m in methods.values()):
+        return False
+    return (_takes(methods["update"], 2) and _takes(methods["compute"], 0)
+            and _takes(methods["reset"], 0))
 
 
 def reduce_and_compute(metric) -> float:

@@ -24,7 +24,11 @@ class Logger:
 
 
 class NoOpLogger(Logger):
-    """What every rank but 0 gets."""
+    """What every rank but 0 gets; also ``mlops: {module: echelon3.mlops, type: NoOpLogger}``
+    to log nothing at all (``path`` is accepted because the ``mlops`` builder injects it)."""
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        self.path = path
 
     def log(self, record: dict) -> None:
         pass
@@ -64,14 +68,24 @@ class JsonlLogger(Logger):
 
 
 class TensorBoardLogger(Logger):
-    """Scalars to TensorBoard, tagged ``split/name``."""
+    """Scalars to TensorBoard, tagged ``split/name``. The writer opens on the first record."""
 
     def __init__(self, log_dir: str | os.PathLike):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # fail here if it is missing
 
-        self._writer = SummaryWriter(log_dir=str(log_dir))
+        self._writer_class = SummaryWriter
+        self.log_dir = str(log_dir)
+        self._writer = None
+        self._purge_step: int | None = None
+
+    def rewind(self, step: int) -> None:
+        # TensorBoard hides the events at or after purge_step that an earlier attempt wrote.
+        self.close()
+        self._purge_step = step + 1
 
     def log(self, record: dict) -> None:
+        if self._writer is None:
+            self._writer = self._writer_class(log_dir=self.log_dir, purge_step=self._purge_step)
         step = record.get("step", 0)
         split = record.get("split", "train")
         for name, value in record.items():
@@ -79,7 +93,9 @@ class TensorBoardLogger(Logger):
                 self._writer.add_scalar(f"{split}/{name}", value, step)
 
     def close(self) -> None:
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
 
 def tensorboard_available() -> bool:

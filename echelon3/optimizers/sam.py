@@ -25,6 +25,10 @@ class SAMOptimizer(torch.optim.Optimizer):
             raise ValueError(f"rho must be non-negative, got {rho}")
         super().__init__(params, dict(rho=rho, adaptive=adaptive, **base_kwargs))
         if is_spec(base_optimizer):
+            if base_kwargs:
+                raise ValueError(f"{', '.join(sorted(base_kwargs))} belong(s) in "
+                                 "base_optimizer.config when base_optimizer is a "
+                                 "module/type/config triple")
             self.base_optimizer = instantiate(base_optimizer, "optimizer.config.base_optimizer",
                                               params=self.param_groups)
         else:

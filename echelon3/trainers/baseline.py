@@ -21,16 +21,28 @@ from tqdm.auto import tqdm
 from echelon3.checkpoint import rng_state, set_rng_state, strip_prefixes
 from echelon3.data import set_epoch
 from echelon3.dist import all_reduce_sum_, get_world_size, is_main, unwrap
+from echelon3.errors import ConfigError
 from echelon3.evaluate import evaluate_sets, metric_name, split_batch, to_device, weighted_loss
 from echelon3.trainers.selection import KeepBest
 
 log = logging.getLogger(__name__)
 
 CLOSURE_OPTIMIZERS = ("SAMOptimizer", "LBFGS")
+# Keys of every history record; a loss or metric of that name would overwrite one.
+RESERVED = ("split", "epoch", "step", "lr")
 
 
 def is_closure_optimizer(optimizer) -> bool:
     return type(optimizer).__name__ in CLOSURE_OPTIMIZERS
+
+
+def _check_names(losses: Mapping, metrics: Mapping) -> None:
+    taken = (*RESERVED, "loss")
+    for section, names in (("loss", losses), ("metrics", metrics)):
+        for name in names:
+            if name in taken or "/" in name:
+                raise ConfigError(f"{section}.{name}", "this name is taken by the history "
+                                  f"records ({', '.join(taken)}) or contains '/'; rename it")
 
 
 class Trainer:
@@ -57,11 +69,10 @@ class Trainer:
         sets = [metrics_on] if isinstance(metrics_on, str) else list(metrics_on or test_loaders)
         unknown = [s for s in sets if s not in test_loaders]
         if unknown:
-            from echelon3.errors import ConfigError
-
             raise ConfigError("trainer.config.metrics_on", f"unknown test set '{unknown[0]}'; "
                               f"known: {', '.join(test_loaders)}")
         self.metric_sets = sets
+        _check_names(losses, metrics)
         self.keep_best = KeepBest(keep_best_on, high_is_better, self.metric_names(),
                                   sets[0] if named_sets else None)
         self.epoch, self.global_step = 0, 0
@@ -137,15 +148,16 @@ class Trainer:
                              metric_sets=self.metric_sets, float_labels=self.float_labels,
                              progress=self.progress_bar)
 
-    def validate(self) -> None:
+    def validate(self, epoch: int) -> None:
+        """Validate during ``epoch`` (1-based, the epoch in progress or just finished)."""
         metrics = self.evaluate()
         self.last_metrics = metrics
         best = self.keep_best.is_better(metrics, self.best_metrics)
         if best:
             self.best_metrics = dict(metrics)
-        self.logger.log({"split": "val", "epoch": self.epoch, "step": self.global_step, **metrics})
+        self.logger.log({"split": "val", "epoch": epoch, "step": self.global_step, **metrics})
         summary = " | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-        log.info("epoch %d step %d | %s%s", self.epoch, self.global_step, summary,
+        log.info("epoch %d step %d | %s%s", epoch, self.global_step, summary,
                  " | new best" if best else "")
         if best:
             self.checkpoints.save_best(self.state_dict())
@@ -166,6 +178,8 @@ class Trainer:
             set_rng_state(self._rng)
             self._rng = None
         self.logger.rewind(self.global_step)
+        if self.epoch >= self.epochs:
+            log.info("nothing to train: %d of %d epochs already done", self.epoch, self.epochs)
         steps = len(self.train_loader)
         checkpoints_at = {round(steps * (k + 1) / self.validations) for k in
                           range(self.validations - 1)}
@@ -187,11 +201,11 @@ class Trainer:
                     bar.set_postfix(loss=f"{(sums['loss'] / count).item():.4f}")
                     sums, count = {}, 0
                 if i in checkpoints_at:
-                    self.validate()
+                    self.validate(epoch + 1)
             if self.scheduler is not None:
                 self.scheduler.step()
             self.epoch = epoch + 1
-            self.validate()
+            self.validate(self.epoch)
             self.checkpoints.save_checkpoint(self.state_dict(), self.epoch)
         self.checkpoints.ensure_best()
         return self.best_metrics

@@ -1,0 +1,348 @@
+#!/usr/bin/env bash
+# A real one-node SLURM cluster on localhost, for tests.
+#
+#   cluster.sh up DIR     install (if missing) and start munge, slurmctld, slurmd;
+#                         config, state, spool, logs, pid files and two fake GPUs
+#                         all live under DIR; writes DIR/env.sh and prints
+#                         SLURM_CONF=... as the last line of stdout.
+#   cluster.sh down DIR   cancel leftover jobs, stop slurmd and slurmctld.
+#
+# Needs root (apt-get, mknod, daemons). Exit codes: 0 ok, 1 failure (daemon
+# logs on stderr), 2 usage, 3 "cannot run here" (not root, apt-get failed):
+# callers treat 3 as a reason to skip, anything else as an error.
+#
+# Only one such cluster runs at a time (the daemons use the default ports);
+# RECORD remembers the running one so that `up` can stop it first, even when
+# its DIR has been deleted since.
+set -euo pipefail
+export PATH=$PATH:/usr/sbin:/sbin
+
+RECORD=/run/echelon3-test-slurm.record
+PACKAGES=(slurmctld slurmd slurm-client munge)
+UP_TIMEOUT_S=${SLURM_TEST_UP_TIMEOUT_S:-60}
+
+die() { echo "cluster.sh: $*" >&2; exit 1; }
+skip() { echo "cluster.sh: SKIP: $*" >&2; exit 3; }
+log() { echo "cluster.sh: $*" >&2; }
+
+# --- processes ---------------------------------------------------------------
+
+# pid_alive PID NAME: PID exists and its command name is NAME (guards against
+# a stale pid file pointing at a reused pid).
+pid_alive() {
+    local pid=$1 name=$2
+    [[ $pid =~ ^[0-9]+$ ]] || return 1
+    [[ -r /proc/$pid/comm ]] || return 1
+    [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$name" ]] || return 1
+    # a zombie has exited already (the daemons' first fork may be left
+    # unreaped where PID 1 does not reap)
+    local state
+    state=$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) || return 1
+    [[ -n $state && $state != Z ]]
+}
+
+# stop_pid PID NAME: SIGTERM, wait up to 15 s, then SIGKILL.
+stop_pid() {
+    local pid=$1 name=$2 i
+    pid_alive "$pid" "$name" || return 0
+    kill -TERM "$pid" 2>/dev/null || true
+    for ((i = 0; i < 150; i++)); do
+        pid_alive "$pid" "$name" || return 0
+        sleep 0.1
+    done
+    log "$name ($pid) ignored SIGTERM; killing it"
+    kill -KILL "$pid" 2>/dev/null || true
+    sleep 0.2
+}
+
+read_pid() { [[ -r $1 ]] && tr -dc '0-9' <"$1" || true; }
+
+# --- packages and munge --------------------------------------------------------
+
+ensure_packages() {
+    local missing=0 cmd
+    for cmd in slurmctld slurmd sbatch srun squeue scontrol sinfo scancel munged munge unmunge; do
+        command -v "$cmd" >/dev/null 2>&1 || missing=1
+    done
+    ((missing)) || return 0
+    command -v apt-get >/dev/null 2>&1 || skip "SLURM is not installed and apt-get is not available"
+    log "installing ${PACKAGES[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    local opts=(-y -q --no-install-recommends -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold)
+    if ! apt-get install "${opts[@]}" "${PACKAGES[@]}" >&2; then
+        apt-get update -q >&2 || skip "apt-get update failed"
+        apt-get install "${opts[@]}" "${PACKAGES[@]}" >&2 || skip "apt-get install ${PACKAGES[*]} failed"
+    fi
+}
+
+munge_works() { munge -n 2>/dev/null | unmunge >/dev/null 2>&1; }
+
+ensure_munge() {
+    munge_works && return 0
+    id munge >/dev/null 2>&1 || die "user 'munge' does not exist (broken munge package?)"
+    [[ -s /etc/munge/munge.key ]] || die "/etc/munge/munge.key is missing (broken munge package?)"
+    install -d -o munge -g munge -m 755 /run/munge
+    install -d -o munge -g munge -m 700 /var/lib/munge /var/log/munge
+    # A stale pid file from a crashed munged makes the new one refuse to start.
+    local pid
+    pid=$(read_pid /run/munge/munged.pid)
+    [[ -n $pid ]] && ! pid_alive "$pid" munged && rm -f /run/munge/munged.pid
+    runuser -u munge -- munged >&2 || die "munged failed to start"
+    local i
+    for ((i = 0; i < 50; i++)); do
+        munge_works && return 0
+        sleep 0.1
+    done
+    die "munged started but 'munge -n | unmunge' fails"
+}
+
+# --- configuration -------------------------------------------------------------
+
+write_config() {
+    local dir=$1 host cpus mem_avail real_mem def_mem
+    host=$(hostname -s)
+    # CPUs are only scheduling tokens here (no cgroups, no binding); two at
+    # least, so that two one-CPU tasks fit on a one-core machine too.
+    cpus=$(nproc)
+    ((cpus >= 2)) || cpus=2
+    mem_avail=$(free -m | awk '/^Mem:/ {print $7}')
+    real_mem=$((mem_avail * 9 / 10))
+    def_mem=$((real_mem / cpus / 2))
+    ((def_mem > 1024)) && def_mem=1024
+
+    install -d -m 755 "$dir/etc" "$dir/dev" "$dir/log" "$dir/run"
+    install -d -o slurm -g slurm -m 755 "$dir/state" "$dir/log/ctld" "$dir/run/ctld"
+    install -d -m 755 "$dir/spool"
+    # The fake GPUs must be character devices; SLURM rejects plain files.
+    local i
+    for i in 0 1; do
+        [[ -c $dir/dev/fakegpu$i ]] || mknod -m 666 "$dir/dev/fakegpu$i" c 1 3
+    done
+
+    cat >"$dir/etc/slurm.conf" <<EOF
+# Generated by tests/slurm/cluster.sh; one node, no accounting.
+ClusterName=echelon3test
+SlurmctldHost=$host(127.0.0.1)
+SlurmUser=slurm
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# configless: slurmd fetches this file and links /run/slurm/conf to its copy,
+# where client commands look when SLURM_CONF is unset (Snakemake's jobstep
+# executor strips SLURM_* variables, SLURM_CONF too, before its inner srun)
+SlurmctldParameters=enable_configless
+MpiDefault=none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
+SlurmdParameters=config_overrides
+GresTypes=gpu
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+StateSaveLocation=$dir/state
+SlurmdSpoolDir=$dir/spool
+SlurmctldPidFile=$dir/run/ctld/slurmctld.pid
+SlurmdPidFile=$dir/run/slurmd.pid
+SlurmctldLogFile=$dir/log/ctld/slurmctld.log
+SlurmdLogFile=$dir/log/slurmd.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ReturnToService=2
+MinJobAge=300
+# start batch jobs at the next scheduler pass (about 1 s), not up to 3 s later
+SchedulerParameters=batch_sched_delay=0
+KillWait=5
+InactiveLimit=0
+Waittime=0
+DefMemPerCPU=$def_mem
+NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$real_mem Gres=gpu:2 State=UNKNOWN
+PartitionName=main Nodes=$host Default=YES MaxTime=INFINITE State=UP
+EOF
+    cat >"$dir/etc/gres.conf" <<EOF
+AutoDetect=off
+NodeName=$host Name=gpu File=$dir/dev/fakegpu[0-1]
+EOF
+    chmod 644 "$dir/etc/slurm.conf" "$dir/etc/gres.conf"
+
+    cat >"$dir/env.sh" <<EOF
+export SLURM_CONF=$dir/etc/slurm.conf
+EOF
+}
+
+# --- up / down ----------------------------------------------------------------
+
+dump_logs() {
+    local dir=$1 f
+    for f in "$dir/log/ctld/slurmctld.log" "$dir/log/slurmd.log"; do
+        echo "----- $f (last 40 lines) -----" >&2
+        tail -n 40 "$f" >&2 2>/dev/null || echo "(missing)" >&2
+    done
+    echo "----- scontrol show node -----" >&2
+    scontrol show node >&2 2>&1 || true
+}
+
+ctld_port() { timeout 10 scontrol show config 2>/dev/null | awk '$1 == "SlurmctldPort" {print $3; exit}'; }
+
+wait_ctld() {
+    local dir=$1 deadline
+    deadline=$((SECONDS + UP_TIMEOUT_S))
+    while ((SECONDS < deadline)); do
+        timeout 10 scontrol ping 2>/dev/null | grep -q 'is UP' && return 0
+        sleep 0.2
+    done
+    log "slurmctld does not answer after ${UP_TIMEOUT_S}s"
+    dump_logs "$dir"
+    exit 1
+}
+
+# The scheduler's first pass comes about 3 s after slurmctld starts; a job
+# submitted before it waits for it, and `sbatch --wait` (polling at growing
+# intervals) then returns some 8 s late. The pass logs its parameters.
+wait_scheduler() {
+    local i
+    for ((i = 0; i < 100; i++)); do
+        grep -q 'SchedulerParameters=' "$1/log/ctld/slurmctld.log" 2>/dev/null && return 0
+        sleep 0.1
+    done
+}
+
+wait_idle() {
+    local dir=$1 host state deadline
+    host=$(hostname -s)
+    deadline=$((SECONDS + UP_TIMEOUT_S))
+    while ((SECONDS < deadline)); do
+        # a node that is down at first contact returns by itself
+        # (ReturnToService=2), so only the deadline ends the wait
+        state=$(timeout 10 sinfo -h -N -n "$host" -o %T 2>/dev/null || true)
+        if [[ $state == idle ]]; then
+            wait_scheduler "$dir"
+            return 0
+        fi
+        sleep 0.5
+    done
+    log "node '$host' not idle after ${UP_TIMEOUT_S}s (state: '${state:-no answer}')"
+    dump_logs "$dir"
+    exit 1
+}
+
+stop_recorded() {
+    [[ -r $RECORD ]] || return 0
+    local dir ctld slurmd
+    dir=$(sed -n 's/^dir=//p' "$RECORD")
+    ctld=$(sed -n 's/^slurmctld=//p' "$RECORD")
+    slurmd=$(sed -n 's/^slurmd=//p' "$RECORD")
+    if pid_alive "$ctld" slurmctld || pid_alive "$slurmd" slurmd; then
+        log "stopping the cluster still running from $dir"
+        if [[ -r $dir/etc/slurm.conf ]]; then
+            SLURM_CONF=$dir/etc/slurm.conf cancel_jobs
+        fi
+        stop_pid "$slurmd" slurmd
+        stop_pid "$ctld" slurmctld
+    fi
+    drop_conf_link "$dir"
+    rm -f "$RECORD"
+}
+
+# drop_conf_link DIR: remove slurmd's /run/slurm/conf link if it leads into DIR
+drop_conf_link() {
+    local target
+    [[ -n $1 && -L /run/slurm/conf ]] || return 0
+    target=$(readlink /run/slurm/conf)
+    [[ $target == "$1"/* ]] && rm -f /run/slurm/conf
+    return 0
+}
+
+cancel_jobs() {
+    local ids i
+    ids=$(timeout 10 squeue -h -o %A 2>/dev/null || true)
+    [[ -n $ids ]] || return 0
+    # shellcheck disable=SC2086
+    timeout 10 scancel $ids 2>/dev/null || true
+    for ((i = 0; i < 100; i++)); do
+        [[ -z $(timeout 10 squeue -h -o %A 2>/dev/null || true) ]] && return 0
+        sleep 0.2
+    done
+    log "jobs still listed after scancel: $ids"
+}
+
+# record DIR NAME PIDFILE: wait for the daemon's pid file and add the pid to
+# RECORD, at once, so that a failed bring-up can still be stopped later.
+record() {
+    local dir=$1 name=$2 pidfile=$3 pid="" i
+    for ((i = 0; i < 50; i++)); do
+        pid=$(read_pid "$pidfile")
+        [[ -n $pid ]] && break
+        sleep 0.1
+    done
+    if [[ $name == slurmctld ]]; then
+        printf 'dir=%s\n' "$dir" >"$RECORD"
+    fi
+    printf '%s=%s\n' "$name" "$pid" >>"$RECORD"
+    pid_alive "$pid" "$name" || { dump_logs "$dir"; die "$name is not running"; }
+}
+
+cmd_up() {
+    local dir=$1
+    ((EUID == 0)) || skip "needs root to install and start the SLURM daemons"
+    [[ $(uname -s) == Linux ]] || skip "needs Linux"
+    ensure_packages
+    id slurm >/dev/null 2>&1 || die "user 'slurm' does not exist (broken slurm packages?)"
+    ensure_munge
+    stop_recorded
+    [[ -e /etc/slurm/slurm.conf ]] \
+        && log "warning: /etc/slurm/slurm.conf exists; commands run without SLURM_CONF will use it, not this cluster"
+
+    mkdir -p "$dir"
+    dir=$(cd "$dir" && pwd -P)
+    # slurmctld runs as 'slurm' and must reach its state dir and the config.
+    chmod 755 "$dir"
+    runuser -u slurm -- test -r "$dir" -a -x "$dir" \
+        || die "user 'slurm' cannot enter $dir (a parent folder is not world-executable)"
+    write_config "$dir"
+    export SLURM_CONF=$dir/etc/slurm.conf
+
+    slurmctld -f "$SLURM_CONF" >&2 || { dump_logs "$dir"; die "slurmctld failed to start"; }
+    record "$dir" slurmctld "$dir/run/ctld/slurmctld.pid"
+    wait_ctld "$dir"
+    slurmd --conf-server "127.0.0.1:$(ctld_port)" >&2 || { dump_logs "$dir"; die "slurmd failed to start"; }
+    record "$dir" slurmd "$dir/run/slurmd.pid"
+
+    wait_idle "$dir"
+    log "cluster up: $(sinfo -h -o '%P %D %T %G' | tr '\n' ' ')"
+    echo "SLURM_CONF=$SLURM_CONF"
+}
+
+cmd_down() {
+    local dir=$1
+    [[ -d $dir ]] && dir=$(cd "$dir" && pwd -P)
+    local ctld slurmd
+    ctld=$(read_pid "$dir/run/ctld/slurmctld.pid")
+    slurmd=$(read_pid "$dir/run/slurmd.pid")
+    if [[ -r $RECORD && $(sed -n 's/^dir=//p' "$RECORD") == "$dir" ]]; then
+        [[ -n $ctld ]] || ctld=$(sed -n 's/^slurmctld=//p' "$RECORD")
+        [[ -n $slurmd ]] || slurmd=$(sed -n 's/^slurmd=//p' "$RECORD")
+    fi
+    if pid_alive "$ctld" slurmctld && [[ -r $dir/etc/slurm.conf ]]; then
+        SLURM_CONF=$dir/etc/slurm.conf cancel_jobs
+    fi
+    stop_pid "$slurmd" slurmd
+    stop_pid "$ctld" slurmctld
+    drop_conf_link "$dir"
+    if [[ -r $RECORD && $(sed -n 's/^dir=//p' "$RECORD") == "$dir" ]]; then
+        rm -f "$RECORD"
+    fi
+    # munged is left running: it is a shared system service, not part of the
+    # cluster, and restarting it costs nothing the next time.
+}
+
+main() {
+    [[ $# -eq 2 && ($1 == up || $1 == down) ]] || {
+        echo "usage: $0 up|down DIR" >&2
+        exit 2
+    }
+    "cmd_$1" "$2"
+}
+
+main "$@"
