@@ -142,10 +142,35 @@ def _silence_non_main(rank: int) -> None:
 
 Task = Callable[[RunConfig, object, dist.Launcher], None]
 
+_interrupted = False
+
+
+def _on_sigint(signum, frame) -> None:
+    # Raise once; a KeyboardInterrupt can land inside a __del__ and be swallowed, so the
+    # flag lets the training loop raise it again. Later signals (the launcher forwards
+    # the interrupt to its workers) are ignored.
+    global _interrupted
+    if not _interrupted:
+        _interrupted = True
+        raise KeyboardInterrupt
+
+
+def interrupted() -> bool:
+    """True once Ctrl-C reached this process."""
+    return _interrupted
+
+
+def _install_sigint_handler() -> None:
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _on_sigint)
+
 
 def run_worker(task: Task, rc: RunConfig, plan: Plan) -> None:
     """Set up this process as one rank (or the only one), run ``task``, tear down."""
     configure_logging()
+    _install_sigint_handler()
     launcher = dist.detect_launcher()
     _silence_non_main(launcher.rank)
     device = worker_device(plan, launcher)
@@ -174,8 +199,6 @@ def spawned_worker(task: Task, cfg: dict, config_dir: str, config_file: str, pla
         print(f"echelon3: [rank {rank}] {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        # The launcher forwards the interrupt too; a second one must not break the exit.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
         sys.exit(130)
     except BaseException:
         print(f"[rank {rank}] " + traceback.format_exc().rstrip(), file=sys.stderr, flush=True)

@@ -67,6 +67,13 @@ def probe_config(directory: Path, name: str = "probe", *, train_size: int = 64,
     return path
 
 
+def edit_yaml(path: Path, change) -> None:
+    """Load ``path``, let ``change(cfg)`` modify the dict, write it back."""
+    cfg = yaml.safe_load(path.read_text())
+    change(cfg)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
 @pytest.fixture
 def probe(tmp_path):
     """(config dir, writer): call writer(**kwargs) to (re)write probe.yaml."""
@@ -74,3 +81,16 @@ def probe(tmp_path):
 
 
 from tests.slurm.cluster import slurm_cluster  # noqa: E402,F401  (session fixture: a real local SLURM)
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU-only tests run where CUDA is; elsewhere they are skipped with the reason."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none "
+                                   "(benchmarks/gpu_check.py covers the same on a GPU)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from echelon3 import dist
-from tests.conftest import BIN, echelon3_cmd, run_cli
+from tests.conftest import BIN, echelon3_cmd, edit_yaml, run_cli
 
 TORCHRUN = shutil.which("torchrun", path=str(BIN)) or shutil.which("torchrun")
 
@@ -213,9 +213,8 @@ def _wait_for(predicate, timeout: float) -> bool:
 def test_ctrl_c_exits_130_and_leaves_no_process(probe, workers):
     config_dir, write = probe
     write(epochs=1000, net={"sleep": 0.05})
-    cfg = (config_dir / "probe.yaml").read_text().replace(
-        "drop_last: true", f"drop_last: true\n      num_workers: {workers}")
-    (config_dir / "probe.yaml").write_text(cfg)
+    edit_yaml(config_dir / "probe.yaml", lambda c: c["dataloaders"]["train"]["config"].update(
+        num_workers=workers))
     proc = subprocess.Popen([*echelon3_cmd(), "train", "-cd", str(config_dir), "-cn", "probe",
                              "nproc=2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True,
@@ -265,11 +264,12 @@ def test_rank_killed_by_sigkill_gets_the_oom_hint(probe):
 def test_killed_loader_worker_fails_fast_with_hint(probe):
     config_dir, write = probe
     write(epochs=3)
-    text = (config_dir / "probe.yaml").read_text()
-    text = text.replace("drop_last: true", "drop_last: true\n      num_workers: 1")
-    text = text.replace("config:\n        size: 64", "config:\n        size: 64\n        kill_at: 5")
-    (config_dir / "probe.yaml").write_text(text)
-    assert "kill_at: 5" in text
+
+    def change(cfg):
+        cfg["dataloaders"]["train"]["config"]["num_workers"] = 1
+        cfg["data"]["train"]["config"]["kill_at"] = 5
+
+    edit_yaml(config_dir / "probe.yaml", change)
     start = time.monotonic()
     result = run_cli(["train", "-cd", str(config_dir), "-cn", "probe"], timeout=120)
     assert result.returncode == 1
@@ -281,9 +281,8 @@ def test_killed_loader_worker_fails_fast_with_hint(probe):
 def test_loader_workers_die_with_their_process(probe):
     config_dir, write = probe
     write(epochs=1000, net={"sleep": 0.05})
-    text = (config_dir / "probe.yaml").read_text().replace(
-        "drop_last: true", "drop_last: true\n      num_workers: 2\n      persistent_workers: true")
-    (config_dir / "probe.yaml").write_text(text)
+    edit_yaml(config_dir / "probe.yaml", lambda c: c["dataloaders"]["train"]["config"].update(
+        num_workers=2, persistent_workers=True))
     proc = subprocess.Popen([*echelon3_cmd(), "train", "-cd", str(config_dir), "-cn", "probe"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -302,9 +301,8 @@ def test_loader_workers_die_with_their_process(probe):
 def test_startup_prints_the_batch_prefetch_total(probe):
     config_dir, write = probe
     write(epochs=1)
-    text = (config_dir / "probe.yaml").read_text().replace(
-        "drop_last: true", "drop_last: true\n      num_workers: 2\n      prefetch_factor: 3")
-    (config_dir / "probe.yaml").write_text(text)
+    edit_yaml(config_dir / "probe.yaml", lambda c: c["dataloaders"]["train"]["config"].update(
+        num_workers=2, prefetch_factor=3))
     result = launch("builtin", config_dir)
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stderr.splitlines() if "in flight" in line]

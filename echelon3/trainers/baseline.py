@@ -23,6 +23,7 @@ from echelon3.data import set_epoch
 from echelon3.dist import all_reduce_sum_, get_world_size, is_main, unwrap
 from echelon3.errors import ConfigError
 from echelon3.evaluate import evaluate_sets, metric_name, split_batch, to_device, weighted_loss
+from echelon3.runtime import interrupted
 from echelon3.trainers.selection import KeepBest
 
 log = logging.getLogger(__name__)
@@ -191,6 +192,8 @@ class Trainer:
             bar = tqdm(self.train_loader, desc=f"epoch {epoch + 1}/{self.epochs}",
                        disable=None if self.progress_bar else True, dynamic_ncols=True)
             for i, batch in enumerate(bar, start=1):
+                if interrupted():
+                    raise KeyboardInterrupt
                 parts = self.train_step(batch)
                 self.global_step += 1
                 for k, v in parts.items():

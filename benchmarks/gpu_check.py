@@ -1,0 +1,170 @@
+"""GPU checks for precision, TF32 and torch.compile, printed as one short table.
+
+Run on a machine with a CUDA GPU:  python benchmarks/gpu_check.py
+Every row is measured in this run; speed rows are ratios of two runs side by side.
+Exits 1 if a correctness row fails, 0 otherwise; on a machine without CUDA it says so
+and exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+rows: list[tuple[str, str, str]] = []
+failures = 0
+
+
+def row(name: str, value, ok: bool | None = None) -> None:
+    global failures
+    status = "" if ok is None else ("ok" if ok else "FAIL")
+    failures += ok is False
+    rows.append((name, str(value), status))
+    print(f"  {name:<44} {value!s:<28} {status}", flush=True)
+
+
+def timed(fn, repeat: int) -> float:
+    for _ in range(3):
+        fn()  # warm-up (autotuning, compilation)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeat
+
+
+def check_precision(device) -> None:
+    from echelon3.precision import Precision, resolve_mode
+
+    row("bf16 supported", torch.cuda.is_bf16_supported())
+    auto = resolve_mode("auto", device)
+    row("precision auto ->", auto, auto == ("bf16" if torch.cuda.is_bf16_supported() else "fp32"))
+    layer = torch.nn.Linear(64, 64).to(device)
+    x = torch.randn(8, 64, device=device)
+    for mode, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16),
+                        ("fp32", torch.float32)):
+        with Precision(mode, device).autocast():
+            got = layer(x).dtype
+        row(f"autocast {mode} output dtype", str(got).replace("torch.", ""), got == dtype)
+    p = Precision.from_config(device, "fp16", tf32=True, cudnn_benchmark=True)
+    row("fp16 GradScaler present", p.scaler is not None, p.scaler is not None)
+    row("tf32 on (matmul / cudnn)", f"{torch.backends.cuda.matmul.allow_tf32} / "
+        f"{torch.backends.cudnn.allow_tf32}", torch.backends.cuda.matmul.allow_tf32)
+
+
+def check_matmul_speed(device) -> None:
+    n = 8192
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    fp32 = timed(lambda: a @ b, 10)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    tf32 = timed(lambda: a @ b, 10)
+
+    def bf16():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return a @ b
+
+    half = timed(bf16, 10)
+    flops = 2 * n ** 3
+    row("matmul 8192 fp32 TFLOP/s", f"{flops / fp32 / 1e12:.1f}")
+    row("matmul speed-up tf32 / fp32", f"{fp32 / tf32:.2f}x", fp32 / tf32 > 1.2)
+    row("matmul speed-up bf16 / fp32", f"{fp32 / half:.2f}x", fp32 / half > 1.5)
+
+
+def check_compile_speed(device) -> None:
+    """A small, launch-bound MLP train step: eager vs torch.compile, steady state."""
+    def make():
+        torch.manual_seed(0)
+        layers = []
+        for _ in range(8):
+            layers += [torch.nn.Linear(256, 256), torch.nn.GELU()]
+        return torch.nn.Sequential(*layers, torch.nn.Linear(256, 10)).to(device)
+
+    x = torch.randn(64, 256, device=device)
+    y = torch.randint(0, 10, (64,), device=device)
+    results = {}
+    for name in ("eager", "compiled"):
+        net = make()
+        model = torch.compile(net) if name == "compiled" else net
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        for _ in range(20):
+            step()  # compile warm-up and recompiles happen here
+        results[name] = timed(step, 200)
+    row("train step eager (ms)", f"{results['eager'] * 1e3:.3f}")
+    row("train step speed-up compiled / eager", f"{results['eager'] / results['compiled']:.2f}x")
+
+
+def check_end_to_end() -> None:
+    """The digits CNN through the real CLI on the GPU: default precision, fp16, compile."""
+    cli = [sys.executable, "-m", "echelon3"]
+    cd = str(REPO / "config" / "experiments")
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {"auto": [], "fp16": ["trainer.config.precision=fp16"],
+                "compile": ["trainer.config.compile=true"]}
+        for name, extra in runs.items():
+            target = Path(tmp) / name
+            start = time.perf_counter()
+            train = subprocess.run([*cli, "train", "-cd", cd, "-cn", "digits_cnn", "gpus=[0]",
+                                    f"target.path={target}", *extra], capture_output=True,
+                                   text=True)
+            seconds = time.perf_counter() - start
+            ok = train.returncode == 0
+            used = [line for line in train.stderr.splitlines() if "training on" in line]
+            row(f"train digits_cnn [{name}] wall s", f"{seconds:.1f}", ok)
+            if not ok:
+                print(train.stderr[-2000:])
+                continue
+            row(f"  [{name}] startup line", used[0].split("] ", 1)[-1][:28] if used else "?")
+            evaluate = subprocess.run([*cli, "evaluate", "-cd", cd, "-cn", "digits_cnn",
+                                       "gpus=[0]", f"target.path={target}"],
+                                      capture_output=True, text=True)
+            metrics = json.loads((target / "metrics.json").read_text()) \
+                if evaluate.returncode == 0 else {}
+            acc = metrics.get("accuracy", 0.0)
+            row(f"  [{name}] test accuracy", f"{acc:.4f}", acc >= 0.95)
+            state = torch.load(target / "best.tar", weights_only=True)
+            clean = not any(k.startswith(("module.", "_orig_mod."))
+                            for k in state["model_state_dict"])
+            row(f"  [{name}] checkpoint keys unprefixed", clean, clean)
+            if name == "fp16":
+                scaler = state.get("scaler_state_dict") or {}
+                row("  [fp16] scaler state saved", "scale" in scaler, "scale" in scaler)
+
+
+def main() -> int:
+    sys.path.insert(0, str(REPO))
+    os.environ.setdefault("PYTHONPATH", str(REPO))
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU on this machine; nothing to check")
+        return 0
+    device = torch.device("cuda", 0)
+    print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+          f"{torch.cuda.device_count()} GPU(s)")
+    print(f"  {'check':<44} {'value':<28} status")
+    for section in (check_precision, check_matmul_speed, check_compile_speed):
+        try:
+            section(device)
+        except Exception as e:  # keep going: one table with every row
+            row(f"{section.__name__} crashed", f"{type(e).__name__}: {e}"[:60], False)
+    check_end_to_end()
+    print(f"gpu_check: {len(rows)} rows, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
