@@ -380,3 +380,57 @@ def test_process_group_timeout_env(monkeypatch):
     assert dist.timeout().total_seconds() == 30
     monkeypatch.delenv("ECHELON3_DDP_TIMEOUT_MIN")
     assert dist.timeout().total_seconds() == 30 * 60
+
+
+# --------------------------------------------------------------------------- device plan
+
+def _plan(**cfg):
+    from omegaconf import OmegaConf
+
+    from echelon3.runtime import plan_devices
+
+    return plan_devices(OmegaConf.create(cfg))
+
+
+def test_plan_on_a_cpu_machine(monkeypatch, caplog):
+    import logging
+
+    from echelon3.errors import ConfigError
+
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _plan().spawn == 1 and _plan().device_type == "cpu"
+    assert (_plan(device="cpu", nproc=3).spawn, _plan(device="cpu", nproc=3).world_size) == (3, 3)
+    with pytest.raises(ConfigError, match=r"^gpus: GPU 0 does not exist"):
+        _plan(gpus=[0])
+    with pytest.raises(ConfigError, match=r"^nproc: must be a positive integer"):
+        _plan(device="cpu", nproc=0)
+    with pytest.raises(ConfigError, match=r"^device: cuda requested"):
+        _plan(device="cuda")
+    with caplog.at_level(logging.WARNING):
+        _plan(device="cpu", device_ids=[0, 1])
+    assert "device_ids is ignored" in caplog.text and "gpus" in caplog.text
+
+
+def test_plan_on_a_gpu_node(monkeypatch):
+    from echelon3.errors import ConfigError
+
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    everything = _plan()
+    assert (everything.device_type, everything.gpus, everything.spawn) == ("cuda", [0, 1, 2, 3], 4)
+    two = _plan(gpus=[2, 3])
+    assert (two.gpus, two.spawn, two.world_size) == ([2, 3], 2, 2)
+    assert _plan(gpus=[1]).spawn == 1  # one GPU: in-process, pinned to it
+    assert _plan(device="cpu").device_type == "cpu"
+    with pytest.raises(ConfigError, match=r"^gpus: GPU 4 does not exist \(visible GPUs: 0-3\)"):
+        _plan(gpus=[0, 4])
+    with pytest.raises(ConfigError, match=r"^gpus: lists a GPU twice"):
+        _plan(gpus=[1, 1])
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    worker = _plan(gpus=[0, 1])
+    assert (worker.spawn, worker.world_size) == (1, 2)  # torchrun already spawned us
