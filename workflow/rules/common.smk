@@ -1,0 +1,297 @@
+"""Helpers shared by the rules: the experiment table, inputs, params, resources."""
+
+import itertools
+import keyword
+import os
+import re
+from copy import deepcopy
+from pathlib import Path
+
+import pandas as pd
+import yaml
+from snakemake.exceptions import WorkflowError
+from snakemake.utils import Paramspace
+
+CONFIG_DIR = Path(config["config_dir"])
+
+# Locks GPU ids for a job when Snakemake runs jobs side by side on one machine.
+GPU_LOCK = os.path.relpath(Path(workflow.current_basedir) / "../scripts/gpu_lock.py")
+
+# torchrun's rendezvous: the batch script of a SLURM job runs on the first node
+# of its allocation, so that node's name is the endpoint; the port is spread by
+# job id so that jobs sharing a node do not collide.
+RDZV_ENDPOINT = "$(hostname):$((29500 + SLURM_JOB_ID % 20000))"
+
+
+# --- the experiment table -----------------------------------------------------
+
+
+def _format_value(value):
+    """A grid value as the CLI's dotlist grammar reads it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _sweep_experiments(sweep_name, sweep):
+    """One experiment per point of the sweep's grid, named by Paramspace."""
+    keys = list(sweep["grid"])
+    labels = [key.rsplit(".", 1)[-1] for key in keys]
+    seen = {}
+    for key, label in zip(keys, labels):
+        where = f"config: sweeps.{sweep_name}.grid"
+        if label in seen:
+            raise WorkflowError(
+                f"{where}: '{seen[label]}' and '{key}' both end in '{label}', "
+                "which names the experiments; sweep them in two sweeps"
+            )
+        if keyword.iskeyword(label):
+            raise WorkflowError(f"{where}: '{key}' ends in a Python keyword")
+        seen[label] = key
+    points = pd.DataFrame(
+        list(itertools.product(*sweep["grid"].values())), columns=labels, dtype=object
+    )
+    space = Paramspace(points, filename_params="*")
+    for instance, row in zip(space.instance_patterns, points.itertuples(index=False)):
+        grid_overrides = [f"{k}={_format_value(v)}" for k, v in zip(keys, row)]
+        yield f"{sweep_name}/{instance}", {
+            "config": sweep["config"],
+            "overrides": list(sweep["overrides"]) + grid_overrides,
+            "resources": deepcopy(sweep["resources"]),
+        }
+
+
+def _experiments(cfg):
+    experiments = {
+        name: {
+            "config": spec["config"],
+            "overrides": list(spec["overrides"]),
+            "resources": deepcopy(spec["resources"]),
+        }
+        for name, spec in cfg["experiments"].items()
+    }
+    for sweep_name, sweep in cfg["sweeps"].items():
+        if sweep_name in experiments:
+            raise WorkflowError(
+                f"config: sweeps.{sweep_name}: an experiment has the same name; "
+                "rename one of them"
+            )
+        experiments.update(_sweep_experiments(sweep_name, sweep))
+    if not experiments:
+        raise WorkflowError(
+            "config: no experiments; list at least one under 'experiments:' or 'sweeps:'"
+        )
+    return experiments
+
+
+EXPERIMENTS = _experiments(config)
+
+
+wildcard_constraints:
+    exp="|".join(re.escape(name) for name in EXPERIMENTS),
+
+
+# --- targets --------------------------------------------------------------------
+
+
+def results(pattern):
+    """`pattern` (with {exp}) for every experiment."""
+    return expand(pattern, exp=EXPERIMENTS)
+
+
+def curve_plot(exp):
+    """The learning-curve plot of one experiment, registered for the HTML report."""
+    return report(
+        f"results/plots/curves/{exp}.png",
+        category="Learning curves",
+        labels={"experiment": exp},
+    )
+
+
+def curve_plots():
+    return [curve_plot(exp) for exp in EXPERIMENTS]
+
+
+def report_labels():
+    """What the leaderboard shows of each experiment besides its metrics."""
+    return {
+        name: {"config": spec["config"], "overrides": spec["overrides"]}
+        for name, spec in EXPERIMENTS.items()
+    }
+
+
+def all_targets():
+    return [
+        *results("results/{exp}/metrics.json"),
+        *results("results/{exp}/predictions.csv"),
+        "results/leaderboard.csv",
+        "results/leaderboard.md",
+        *results("results/plots/curves/{exp}.png"),
+        "results/plots/metrics.png",
+    ]
+
+
+# --- inputs ---------------------------------------------------------------------
+
+
+def _composed_files(name, seen):
+    """The config file `name` and those its `defaults:` list pulls in, so that an
+    edit to any of them reruns the experiment. Missing defaults are left to the
+    CLI to report."""
+    path = CONFIG_DIR / f"{name}.yaml"
+    if path in seen:
+        return []
+    seen.add(path)
+    files = [str(path)]
+    if not path.is_file():
+        return files
+    data = yaml.safe_load(path.read_text())
+    defaults = data.get("defaults") if isinstance(data, dict) else None
+    for entry in defaults or []:
+        if isinstance(entry, dict):
+            names = [
+                f"{group.split()[-1]}/{option}"
+                for group, option in entry.items()
+                if option is not None
+            ]
+        elif entry == "_self_":
+            names = []
+        else:
+            names = [str(entry)]
+        for included in names:
+            files += [f for f in _composed_files(included, seen) if Path(f).is_file()]
+    return files
+
+
+def experiment_config(wildcards):
+    """The experiment's own echelon3 config file."""
+    return str(CONFIG_DIR / f"{EXPERIMENTS[wildcards.exp]['config']}.yaml")
+
+
+def composed_configs(wildcards):
+    """Config files the experiment's config composes (its defaults list)."""
+    return _composed_files(EXPERIMENTS[wildcards.exp]["config"], set())[1:]
+
+
+# --- params ---------------------------------------------------------------------
+
+
+def overrides(wildcards):
+    """The experiment's CLI overrides; a change to them reruns its jobs."""
+    return EXPERIMENTS[wildcards.exp]["overrides"]
+
+
+def config_dir(wildcards, input):
+    return str(Path(input.config).parent)
+
+
+def config_name(wildcards, input):
+    return Path(input.config).stem
+
+
+def target_dir(wildcards, output):
+    """The run's target.path: the folder of the rule's first output."""
+    return str(Path(output[0]).parent)
+
+
+def launch(wildcards, resources):
+    """Command prefix that starts echelon3 on what the job was given: torchrun
+    under srun across nodes, or a GPU lock around the echelon3 launcher on one
+    node (a no-op prefix on the CPU). Derived from resources, so a change of
+    resources alone does not rerun a job."""
+    if resources.get("mpi"):
+        res = EXPERIMENTS[wildcards.exp]["resources"]
+        return (
+            f"{resources.mpi} torchrun --nnodes {res['nodes']}"
+            f" --nproc_per_node {max(res['gpus'], 1)}"
+            f" --rdzv_backend c10d --rdzv_endpoint {RDZV_ENDPOINT}"
+            " --rdzv_id $SLURM_JOB_ID --no-python"
+        )
+    if resources.get("gpu"):
+        return f"{GPU_LOCK} {resources.gpu} --"
+    return ""
+
+
+def devices(wildcards, resources):
+    """Device overrides matching the job's resources: the GPUs it was given,
+    counted inside CUDA_VISIBLE_DEVICES, or the CPU."""
+    if resources.get("mpi"):
+        # torchrun's LOCAL_RANK picks each worker's GPU
+        has_gpus = EXPERIMENTS[wildcards.exp]["resources"]["gpus"] > 0
+        return [] if has_gpus else ["device=cpu"]
+    if resources.get("gpu"):
+        return [f"gpus=[{','.join(str(i) for i in range(resources.gpu))}]"]
+    return ["device=cpu"]
+
+
+# --- resources ------------------------------------------------------------------
+
+
+def _res(wildcards):
+    return EXPERIMENTS[wildcards.exp]["resources"]
+
+
+def _multinode(wildcards):
+    return _res(wildcards)["nodes"] > 1
+
+
+def nodes(wildcards):
+    return _res(wildcards)["nodes"]
+
+
+def cpus(wildcards):
+    return _res(wildcards)["cpus"]
+
+
+def mem_mb(wildcards):
+    return _res(wildcards)["mem_mb"]
+
+
+def runtime(wildcards):
+    return _res(wildcards)["runtime"]
+
+
+def train_gpus(wildcards):
+    """GPUs on one node (the SLURM plugin's `gpu` -> --gpus); None across nodes."""
+    if _multinode(wildcards):
+        return None
+    return _res(wildcards)["gpus"] or None
+
+
+def one_gpu(wildcards):
+    """evaluate and run use at most one GPU."""
+    return min(_res(wildcards)["gpus"], 1) or None
+
+
+def train_gres(wildcards):
+    """GPUs per node across nodes (--gres=gpu:G is per node, --gpus is not)."""
+    res = _res(wildcards)
+    if res["nodes"] > 1 and res["gpus"]:
+        return f"gpu:{res['gpus']}"
+    return None
+
+
+def train_tasks(wildcards):
+    """One task per node, each a torchrun."""
+    return _res(wildcards)["nodes"] if _multinode(wildcards) else None
+
+
+def no_tasks_per_gpu(wildcards):
+    """0 for GPU jobs: the SLURM plugin would otherwise add --ntasks-per-gpu
+    (from `tasks`, or 1 in plugin 2.7), asking for a task per GPU where a job
+    has one launcher task per node; 0 leaves it out."""
+    return 0 if _res(wildcards)["gpus"] else None
+
+
+def train_mpi(wildcards):
+    """The srun prefix across nodes. The SLURM plugin runs a job that has an
+    `mpi` resource directly in its batch script, so this srun is the job's only
+    step; it restates the step's shape because the plugin clears SLURM_*."""
+    res = _res(wildcards)
+    if res["nodes"] == 1:
+        return None
+    gres = f" --gres=gpu:{res['gpus']}" if res["gpus"] else ""
+    return (
+        f"srun --nodes={res['nodes']} --ntasks={res['nodes']} --ntasks-per-node=1"
+        f"{gres} --cpus-per-task={res['cpus']}"
+    )
