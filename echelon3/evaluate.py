@@ -104,11 +104,13 @@ class Evaluator:
 
     ``checkpoint``: file to load (default best.tar, else the newest rolling one);
     ``output``: the JSON file (default ``<target.path>/metrics.json``);
-    ``metrics_on``: named test sets to compute metrics on (default all).
+    ``metrics_on``: named test sets to compute metrics on (default all);
+    ``float_labels``: cast labels to float (default: ``trainer.config.float_labels``).
     """
 
     def __init__(self, path: str, checkpoint: str | None = None, output: str | None = None,
-                 metrics_on: str | Sequence[str] | None = None, float_labels: bool = False):
+                 metrics_on: str | Sequence[str] | None = None,
+                 float_labels: bool | None = None):
         self.path = Path(path)
         self.checkpoint = checkpoint
         self.output = Path(output) if output else self.path / "metrics.json"
@@ -147,6 +149,9 @@ def evaluate(rc, device, launcher) -> None:
     _, loaders = create_dataloaders(cfg.dataloaders, None, tests, rank=launcher.rank,
                                     world_size=launcher.world_size, seed=cfg.get("seed", 0),
                                     config_dir=rc.config_dir)
+    if getattr(evaluator, "float_labels", False) is None:  # as the model was trained
+        trainer = (cfg.get("trainer") or {}).get("config") or {}
+        evaluator.float_labels = bool(trainer.get("float_labels", False))
     net, precision = load_for_inference(rc, device, getattr(evaluator, "checkpoint", None))
     metrics = {k: m.to(device) for k, m in metrics.items()}
     losses = {k: (fn.to(device) if hasattr(fn, "to") else fn, w) for k, (fn, w) in losses.items()}

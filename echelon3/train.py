@@ -44,7 +44,7 @@ VOLATILE = ("device", "gpus", "nproc", "device_ids", "mlops", "evaluator", "runn
             "on_config_change", "trainer.config.epochs", "trainer.config.precision",
             "trainer.config.tf32", "trainer.config.cudnn_benchmark", "trainer.config.compile",
             "trainer.config.compile_mode", "trainer.config.log_every_n_steps",
-            "trainer.config.progress_bar", "target.checkpoints_to_keep")
+            "trainer.config.progress_bar", "target.path", "target.checkpoints_to_keep")
 _LOADER_VOLATILE = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
 ON_CHANGE = ("error", "restart", "resume")
 
@@ -152,7 +152,11 @@ def train(rc: RunConfig, device, launcher) -> None:
 
     net = build.build_net(cfg, rc.config_dir)
     if state is not None:
-        net.load_state_dict(state["model_state_dict"])
+        try:
+            net.load_state_dict(state["model_state_dict"])
+        except RuntimeError as e:
+            raise CheckpointError(str(checkpoints.path), "its newest checkpoint does not fit the "
+                                  f"configured network: {str(e).splitlines()[0]}") from e
     net.to(device)
     train_set, tests, named = build.build_datasets(cfg, rc.config_dir)
     train_loader, test_loaders = create_dataloaders(
