@@ -167,6 +167,19 @@ def _install_sigint_handler() -> None:
         signal.signal(signal.SIGINT, _on_sigint)
 
 
+def _loader_worker_died(e: BaseException) -> bool:
+    """A loader worker killed mid-run surfaces as torch's RuntimeError, or, when it dies
+    while sending a batch, as a broken connection inside the loader's queue."""
+    if isinstance(e, RuntimeError):
+        return "DataLoader worker" in str(e)
+    tb = e.__traceback__
+    while tb is not None:
+        if "torch/utils/data" in tb.tb_frame.f_code.co_filename.replace(os.sep, "/"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def run_worker(task: Task, rc: RunConfig, plan: Plan) -> None:
     """Set up this process as one rank (or the only one), run ``task``, tear down."""
     configure_logging()
@@ -177,10 +190,11 @@ def run_worker(task: Task, rc: RunConfig, plan: Plan) -> None:
     dist.setup_process_group(launcher, "nccl" if device.type == "cuda" else "gloo")
     try:
         task(rc, device, launcher)
-    except RuntimeError as e:
-        if "DataLoader worker" in str(e):  # killed or exited without an exception of its own
-            raise dist.WorkerFailed(f"a DataLoader worker died ({str(e).splitlines()[0]}); "
-                                    f"{dist.OOM_HINT}", 1) from e
+    except (RuntimeError, ConnectionError, EOFError) as e:
+        if _loader_worker_died(e):
+            detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise dist.WorkerFailed(f"a DataLoader worker died ({detail}); {dist.OOM_HINT}",
+                                    1) from e
         raise
     finally:
         dist.teardown_process_group()
