@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if _debug():
             traceback.print_exc()
-        print("echelon3: interrupted", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # one notice per run, not per rank
+            print("echelon3: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
         message = _user_error(e)

@@ -200,6 +200,37 @@ def _session_pids(sid: int) -> list[int]:
     return pids
 
 
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _alive(pids) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
 def _wait_for(predicate, timeout: float) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -209,30 +240,38 @@ def _wait_for(predicate, timeout: float) -> bool:
     return False
 
 
-@pytest.mark.parametrize("workers", [0, 1])
-def test_ctrl_c_exits_130_and_leaves_no_process(probe, workers):
+@pytest.mark.parametrize("mode,workers", [("builtin", 0), ("builtin", 1), ("torchrun", 1)])
+def test_ctrl_c_exits_130_and_leaves_no_process(probe, mode, workers):
     config_dir, write = probe
     write(epochs=1000, net={"sleep": 0.05})
     edit_yaml(config_dir / "probe.yaml", lambda c: c["dataloaders"]["train"]["config"].update(
         num_workers=workers))
-    proc = subprocess.Popen([*echelon3_cmd(), "train", "-cd", str(config_dir), "-cn", "probe",
-                             "nproc=2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    args = ["train", "-cd", str(config_dir), "-cn", "probe"]
+    cmd = [*echelon3_cmd(), *args, "nproc=2"] if mode == "builtin" else [
+        TORCHRUN, "--standalone", "--nproc_per_node=2", echelon3_cmd()[0], *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         assert _wait_for(lambda: (config_dir / "probe" / "rank1.jsonl").exists(), 90), \
             "training never started"
-        if workers:
-            assert len(_session_pids(proc.pid)) >= 5  # launcher, 2 ranks, 2 loader workers
+        assert _wait_for(lambda: len(_descendants(proc.pid) | set(_session_pids(proc.pid)))
+                         >= 2 + 2 * workers, 30)  # 2 ranks (+ 1 loader worker each)
+        run = _descendants(proc.pid) | set(_session_pids(proc.pid)) | {proc.pid}
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, err
-    assert "Traceback" not in err
-    assert "interrupted" in err
-    assert _wait_for(lambda: not _session_pids(proc.pid), 15), _session_pids(proc.pid)
+    assert err.count("echelon3: interrupted") == 1, err  # one notice, from rank 0
+    assert _wait_for(lambda: not _alive(run), 15), _alive(run)
+    assert not _alive(_session_pids(proc.pid))
+    if mode == "builtin":
+        assert proc.returncode == 130, err
+        assert "Traceback" not in err
+    else:  # torchrun reports the signal its own way; the workers stopped cleanly
+        assert proc.returncode != 0
+        assert "echelon3/" not in err.split("echelon3: interrupted")[0].split("Traceback")[-1]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -291,7 +330,7 @@ def test_loader_workers_die_with_their_process(probe):
         workers = [p for p in _session_pids(proc.pid) if p != proc.pid]
         os.kill(proc.pid, signal.SIGKILL)  # no chance to clean up
         proc.wait(timeout=10)
-        assert _wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in workers), 10), \
+        assert _wait_for(lambda: not _alive(workers), 10), \
             "loader workers outlived their process"
     finally:
         if proc.poll() is None:

@@ -196,6 +196,13 @@ def test_schema_fills_in_defaults(tmp_path):
      "'lr=1' is not of type 'array'"),
     ({"experiments": {"bad name": {"config": "digits_mlp"}}}, "'bad name' does not match"),
     ({"experiments": {}}, "config: no experiments; list at least one under 'experiments:'"),
+    ({"experiments": {"x": {"config": "digits_mlp", "resources": {"launcher": "srun"}}}},
+     "config: experiments.x.resources.launcher: srun starts one task per GPU"),
+    ({"sweeps": {"s": {"config": "digits_mlp", "grid": {"seed": [1]}, "resources":
+                       {"launcher": "srun", "gpus": 2, "nodes": 2}}}},
+     "config: sweeps.s.resources.launcher: srun runs on one node"),
+    ({"experiments": {"x": {"config": "digits_mlp", "resources": {"launcher": "mpirun"}}}},
+     "'mpirun' is not one of ['echelon3', 'srun']"),
 ])
 def test_bad_config_stops_with_a_message_naming_the_key(tmp_path, bad, message):
     wf = copy_workflow(tmp_path, bad)
@@ -267,6 +274,7 @@ GPU_CONFIG = {"experiments": {
                            runtime="2h"),
     "two_nodes": experiment("digits_cnn", gpus=4, nodes=2, cpus=32, mem_mb=64000,
                             runtime=600),
+    "tasks": experiment("digits_mlp", cpus=8, gpus=2, launcher="srun"),
 }}
 
 TWO_NODE_SRUN = "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --gres=gpu:4 --cpus-per-task=32"
@@ -275,6 +283,11 @@ TWO_NODE_TRAIN = (
     " --rdzv_endpoint $(hostname):$((29500 + SLURM_JOB_ID % 20000)) --rdzv_id $SLURM_JOB_ID"
     " --no-python echelon3 train -cd config/experiments -cn digits_cnn on_config_change=restart"
     "   target.path=results/two_nodes > logs/train/two_nodes.log 2>&1"
+)
+TASKS_SRUN = "srun --ntasks=2 --gpus-per-task=1 --cpus-per-task=4"
+TASKS_TRAIN = (
+    f"{TASKS_SRUN} echelon3 train -cd config/experiments -cn digits_mlp on_config_change=restart"
+    "   target.path=results/tasks > logs/train/tasks.log 2>&1"
 )
 ONE_NODE_TRAIN = (
     "workflow/scripts/gpu_lock.py 2 -- echelon3 train -cd config/experiments -cn digits_mlp"
@@ -323,6 +336,13 @@ def test_two_node_and_multi_gpu_dry_run(tmp_path):
         assert (res["gpu"], res["nodes"], res["tasks_per_gpu"], res.get("mpi")) == \
             ("1", "1", "0", None)
     assert "tasks_per_gpu" not in resources_of(out, "train", "cpu")
+    # launcher: srun: one echelon3 per GPU, each a task of srun
+    assert TASKS_TRAIN in commands
+    tasks = resources_of(out, "train", "tasks")
+    assert {k: tasks.get(k) for k in ("nodes", "gpu", "tasks", "tasks_per_gpu", "mpi",
+                                       "cpus_per_task", "gres")} == {
+        "nodes": "1", "gpu": "2", "tasks": "2", "tasks_per_gpu": "1", "mpi": TASKS_SRUN,
+        "cpus_per_task": "4", "gres": None}
     assert ("workflow/scripts/gpu_lock.py 1 -- echelon3 run -cd config/experiments"
             " -cn digits_cnn 'gpus=[0]'  target.path=results/two_nodes"
             " runner.config.output=results/two_nodes/predictions.csv"
@@ -349,13 +369,14 @@ def test_slurm_plugin_submits_the_expected_sbatch_options(tmp_path):
     calls = tmp_path / "sbatch.calls"
     env = env_with(SBATCH_CALLS=str(calls))
     env["PATH"] = f"{fakes}{os.pathsep}{env['PATH']}"
-    out = snakemake(wf, "--profile", "profiles/slurm", "--retries", "0", "--jobs", "3",
+    out = snakemake(wf, "--profile", "profiles/slurm", "--retries", "0", "--jobs", "4",
                     "--slurm-init-seconds-before-status-checks", "1", "results/cpu/best.tar", "results/one_node/best.tar",
-                    "results/two_nodes/best.tar", env=env, check=False, timeout=RUN_S)
+                    "results/two_nodes/best.tar", "results/tasks/best.tar", env=env, check=False,
+                    timeout=RUN_S)
     assert "sbatch: error: refused" in out
     submitted = {re.search(r"--comment rule_train_wildcards_(\S+)", c).group(1):
                  c.split(" --wrap=")[0] for c in calls.read_text().splitlines()}
-    assert set(submitted) == {"cpu", "one_node", "two_nodes"}
+    assert set(submitted) == {"cpu", "one_node", "two_nodes", "tasks"}
     for options in submitted.values():
         assert " -p gpu " in options and " -A my_account " in options
     assert submitted["cpu"].endswith(
@@ -366,6 +387,9 @@ def test_slurm_plugin_submits_the_expected_sbatch_options(tmp_path):
         "-t 600 --mem 64000 --nodes=2 --ntasks=2 --cpus-per-task=32 -D " + str(wf)
         + " --gres=gpu:4")
     assert "--ntasks-per-gpu" not in submitted["two_nodes"] + submitted["one_node"]
+    assert submitted["tasks"].endswith(
+        "-t 60 --mem 4000 --nodes=1 --ntasks-per-gpu=1 --ntasks=2 --cpus-per-task=4 -D "
+        + str(wf) + " --gpus=2")
 
 
 def test_a_second_profile_adds_site_settings(tmp_path):

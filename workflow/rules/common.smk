@@ -61,6 +61,22 @@ def _sweep_experiments(sweep_name, sweep):
         }
 
 
+def _check_launcher(where, resources):
+    """`launcher: srun` makes one SLURM task per GPU of one node."""
+    if resources["launcher"] != "srun":
+        return
+    if resources["gpus"] < 1:
+        raise WorkflowError(
+            f"config: {where}.resources.launcher: srun starts one task per GPU; "
+            "set resources.gpus to 1 or more, or drop the launcher"
+        )
+    if resources["nodes"] > 1:
+        raise WorkflowError(
+            f"config: {where}.resources.launcher: srun runs on one node; "
+            "set resources.nodes to 1, or drop the launcher (torchrun across nodes)"
+        )
+
+
 def _experiments(cfg):
     experiments = {
         name: {
@@ -77,6 +93,9 @@ def _experiments(cfg):
                 "rename one of them"
             )
         experiments.update(_sweep_experiments(sweep_name, sweep))
+    for section in ("experiments", "sweeps"):
+        for name, spec in cfg[section].items():
+            _check_launcher(f"{section}.{name}", spec["resources"])
     if not experiments:
         raise WorkflowError(
             "config: no experiments; list at least one under 'experiments:' or 'sweeps:'"
@@ -195,12 +214,15 @@ def target_dir(wildcards, output):
 
 
 def launch(wildcards, resources):
-    """Command prefix that starts echelon3 on what the job was given: torchrun
-    under srun across nodes, or a GPU lock around the echelon3 launcher on one
-    node (a no-op prefix on the CPU). Derived from resources, so a change of
-    resources alone does not rerun a job."""
+    """Command prefix that starts echelon3 on what the job was given: srun
+    alone (`launcher: srun`, every task one rank), torchrun under srun across
+    nodes, or a GPU lock around the echelon3 launcher on one node (a no-op
+    prefix on the CPU). Derived from resources, so a change of resources alone
+    does not rerun a job."""
     if resources.get("mpi"):
         res = EXPERIMENTS[wildcards.exp]["resources"]
+        if res["launcher"] == "srun":
+            return resources.mpi
         return (
             f"{resources.mpi} torchrun --nnodes {res['nodes']}"
             f" --nproc_per_node {max(res['gpus'], 1)}"
@@ -216,7 +238,8 @@ def devices(wildcards, resources):
     """Device overrides matching the job's resources: the GPUs it was given,
     counted inside CUDA_VISIBLE_DEVICES, or the CPU."""
     if resources.get("mpi"):
-        # torchrun's LOCAL_RANK picks each worker's GPU
+        # the local rank picks each worker's GPU among those it sees (torchrun's
+        # LOCAL_RANK, or the one GPU srun gave the task)
         has_gpus = EXPERIMENTS[wildcards.exp]["resources"]["gpus"] > 0
         return [] if has_gpus else ["device=cpu"]
     if resources.get("gpu"):
@@ -235,12 +258,25 @@ def _multinode(wildcards):
     return _res(wildcards)["nodes"] > 1
 
 
+def _srun_tasks(wildcards):
+    """`launcher: srun`: one SLURM task per GPU (one node, checked above)."""
+    return _res(wildcards)["launcher"] == "srun"
+
+
 def nodes(wildcards):
     return _res(wildcards)["nodes"]
 
 
 def cpus(wildcards):
     return _res(wildcards)["cpus"]
+
+
+def train_cpus_per_task(wildcards):
+    """The node's cpus, split between the tasks when each GPU is a task."""
+    res = _res(wildcards)
+    if _srun_tasks(wildcards):
+        return max(1, res["cpus"] // res["gpus"])
+    return res["cpus"]
 
 
 def mem_mb(wildcards):
@@ -272,7 +308,9 @@ def train_gres(wildcards):
 
 
 def train_tasks(wildcards):
-    """One task per node, each a torchrun."""
+    """One task per GPU (`launcher: srun`), or one per node, each a torchrun."""
+    if _srun_tasks(wildcards):
+        return _res(wildcards)["gpus"]
     return _res(wildcards)["nodes"] if _multinode(wildcards) else None
 
 
@@ -283,11 +321,24 @@ def no_tasks_per_gpu(wildcards):
     return 0 if _res(wildcards)["gpus"] else None
 
 
+def train_tasks_per_gpu(wildcards):
+    """1 with `launcher: srun`: one task per GPU. Unset, the SLURM plugin would
+    pass --ntasks-per-gpu=<tasks>, G tasks on every GPU, which leaves the job
+    pending for good (reason PartitionConfig). Else as evaluate/run."""
+    return 1 if _srun_tasks(wildcards) else no_tasks_per_gpu(wildcards)
+
+
 def train_mpi(wildcards):
-    """The srun prefix across nodes. The SLURM plugin runs a job that has an
-    `mpi` resource directly in its batch script, so this srun is the job's only
-    step; it restates the step's shape because the plugin clears SLURM_*."""
+    """The srun prefix: one task per GPU (`launcher: srun`) or one per node.
+    The SLURM plugin runs a job that has an `mpi` resource directly in its
+    batch script, so this srun is the job's only step; it restates the step's
+    shape because the plugin clears SLURM_*."""
     res = _res(wildcards)
+    if _srun_tasks(wildcards):
+        return (
+            f"srun --ntasks={res['gpus']} --gpus-per-task=1"
+            f" --cpus-per-task={train_cpus_per_task(wildcards)}"
+        )
     if res["nodes"] == 1:
         return None
     gres = f" --gres=gpu:{res['gpus']}" if res["gpus"] else ""

@@ -13,14 +13,14 @@ rule train:
         "../envs/echelon3.yaml"
     threads: cpus
     resources:
-        cpus_per_task=cpus,
+        cpus_per_task=train_cpus_per_task,
         mem_mb=mem_mb,
         runtime=runtime,
         nodes=nodes,
         gpu=train_gpus,
         gres=train_gres,
         tasks=train_tasks,
-        tasks_per_gpu=no_tasks_per_gpu,
+        tasks_per_gpu=train_tasks_per_gpu,
         mpi=train_mpi,
     params:
         config_dir=config_dir,

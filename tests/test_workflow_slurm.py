@@ -1,0 +1,166 @@
+"""The workflow on a real SLURM cluster: `--profile profiles/slurm` on the local
+one-node cluster of tests/slurm (two fake GPUs), with a site profile on top
+for what that cluster needs (partition, squeue status checks, no account).
+
+One Snakemake run trains, evaluates and runs the two digits experiments on the
+CPU and a probe experiment with `launcher: srun` and two GPUs: two srun tasks,
+one fake GPU each, training one DDP run with gloo on the CPU. The test then
+checks every output, the resources SLURM gave each job (`scontrol show job`;
+finished jobs stay visible for the cluster's MinJobAge of 300 s) and what the
+two ranks saw.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import probe_config
+from tests.slurm.cluster import parse_tres, run_bounded
+from tests.test_workflow import copy_workflow
+
+pytestmark = pytest.mark.slurm
+
+SNAKEMAKE_S = 150  # the whole run; about 60 s on a 2-core machine
+
+# What the local cluster needs, kept out of the shipped profile: its partition,
+# status checks through squeue (no accounting, so sacct would hang), no account,
+# and no retries so that a failure shows at once.
+SITE_PROFILE = {
+    "default-resources": {"slurm_partition": "main", "mem_mb": 1000, "runtime": 10,
+                          "cpus_per_task": 1},
+    "slurm-status-command": "squeue",
+    "slurm-init-seconds-before-status-checks": 2,
+    "slurm-no-account": True,
+    "retries": 0,
+}
+
+# One CPU per digits job, so that both fit beside each other on a 2-core node;
+# memory and runtime differ per experiment to tell the jobs' resources apart.
+EXPERIMENTS = {
+    "digits_cnn": {"config": "digits_cnn", "overrides": ["trainer.config.epochs=2"],
+                   "resources": {"gpus": 0, "cpus": 1, "mem_mb": 900, "runtime": 7}},
+    "digits_mlp": {"config": "digits_mlp", "overrides": ["trainer.config.epochs=2"],
+                   "resources": {"gpus": 0, "cpus": 1, "mem_mb": 800, "runtime": 9}},
+    "ranks": {"config": "ranks", "overrides": ["device=cpu"],
+              "resources": {"gpus": 2, "cpus": 2, "mem_mb": 1000, "runtime": 5,
+                            "launcher": "srun"}},
+}
+
+# (rule, experiment) -> what scontrol must show: CPUs, memory, time limit, GPUs.
+# evaluate and run take one GPU; train with `launcher: srun` all of them.
+EXPECTED = {
+    **{(rule, "digits_cnn"): (1, "900M", "00:07:00", 0) for rule in ("train", "evaluate", "run")},
+    **{(rule, "digits_mlp"): (1, "800M", "00:09:00", 0) for rule in ("train", "evaluate", "run")},
+    ("train", "ranks"): (2, "1000M", "00:05:00", 2),
+    ("evaluate", "ranks"): (2, "1000M", "00:05:00", 1),
+    ("run", "ranks"): (2, "1000M", "00:05:00", 1),
+}
+
+
+@pytest.fixture(scope="module")
+def slurm_run(slurm_cluster, tmp_path_factory):
+    """The workflow, run once on the cluster: (workflow folder, probe log folder)."""
+    tmp = tmp_path_factory.mktemp("slurm-workflow")
+    wf = copy_workflow(tmp / "wf", {"experiments": EXPERIMENTS,
+                                    "leaderboard": {"metric": "accuracy"}})
+    probe = probe_config(tmp / "ranks", "ranks", epochs=2)
+    shutil.copy2(probe, wf / "config" / "experiments" / "ranks.yaml")
+    site = tmp / "site"
+    site.mkdir()
+    (site / "config.yaml").write_text(yaml.safe_dump(SITE_PROFILE))
+    env = {**slurm_cluster.env, "PYTHONUNBUFFERED": "1"}
+    args = [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm",
+            "--profile", str(site)]
+    try:
+        proc = run_bounded(args, SNAKEMAKE_S, env=env, cwd=wf)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"snakemake still running after {e.timeout} s\n{str(e.stdout)[-6000:]}"
+                    f"{str(e.stderr)[-6000:]}{job_logs(wf)}\n{slurm_cluster.logs()}")
+    assert proc.returncode == 0, (f"snakemake exited {proc.returncode}\n{proc.stdout[-6000:]}"
+                                  f"{proc.stderr[-6000:]}{job_logs(wf)}")
+    return wf, tmp / "ranks" / "probe"
+
+
+def job_logs(wf: Path) -> str:
+    """Tails of the rules' and SLURM's logs, for failure messages."""
+    return "".join(f"\n--- {p}\n{p.read_text(errors='replace')[-3000:]}"
+                   for p in sorted(wf.glob("logs/**/*.log")))
+
+
+def submitted_jobs(wf: Path) -> dict[tuple[str, str], list[str]]:
+    """(rule, experiment) -> SLURM job ids, from the plugin's log files
+    logs/slurm/rule_<rule>/<experiment>/<job id>.log."""
+    jobs: dict[tuple[str, str], list[str]] = {}
+    for log in wf.glob("logs/slurm/rule_*/*/*.log"):
+        rule = log.parent.parent.name.removeprefix("rule_")
+        jobs.setdefault((rule, log.parent.name), []).append(log.stem)
+    return jobs
+
+
+def test_every_output_is_made(slurm_run):
+    wf, _ = slurm_run
+    for exp in EXPERIMENTS:
+        folder = wf / "results" / exp
+        assert (folder / "best.tar").is_file()
+        metrics = json.loads((folder / "metrics.json").read_text())
+        assert 0.0 <= metrics["accuracy"] <= 1.0, metrics
+        with open(folder / "predictions.csv") as f:
+            rows = list(csv.DictReader(f))
+        assert rows and "prediction" in rows[0], rows[:1]
+        png = wf / "results" / "plots" / "curves" / f"{exp}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (wf / "results/plots/metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with open(wf / "results/leaderboard.csv") as f:
+        assert {row["experiment"] for row in csv.DictReader(f)} == set(EXPERIMENTS)
+    assert "Ranked by `accuracy`" in (wf / "results/leaderboard.md").read_text()
+
+
+def test_each_job_got_the_resources_its_experiment_asked_for(slurm_run, slurm_cluster):
+    wf, _ = slurm_run
+    jobs = submitted_jobs(wf)
+    # one job per rule and experiment (no retries); report runs where Snakemake runs
+    assert set(jobs) == set(EXPECTED), jobs
+    for (rule, exp), ids in sorted(jobs.items()):
+        assert len(ids) == 1, (rule, exp, ids)
+        job = slurm_cluster.scontrol_job(ids[0])
+        where = f"{rule} {exp} (job {ids[0]}): {job}"
+        cpus, mem, limit, gpus = EXPECTED[rule, exp]
+        assert job["JobState"] == "COMPLETED", where
+        assert job["Comment"] == f"rule_{rule}_wildcards_{exp}", where
+        assert Path(job["WorkDir"]) == wf, where
+        assert job["Partition"] == "main", where
+        assert (job["NumNodes"], job["NumCPUs"], job["MinMemoryNode"], job["TimeLimit"]) == \
+            ("1", str(cpus), mem, limit), where
+        tres = parse_tres(job["TRES"])
+        assert (tres["cpu"], tres["mem"]) == (str(cpus), mem), where
+        # without accounting of gres/gpu, TRES leaves GPUs out; TresPerJob has them
+        assert job.get("TresPerJob") == (f"gres:gpu:{gpus}" if gpus else None), where
+    # one task per GPU, each with its share of the CPUs
+    train = slurm_cluster.scontrol_job(jobs["train", "ranks"][0])
+    assert (train["NumTasks"], train["CPUs/Task"], train["NtasksPerTRES"]) == \
+        ("2", "1", "1"), train
+
+
+def test_srun_launcher_runs_one_rank_per_gpu(slurm_run):
+    wf, probe = slurm_run
+    seen, first_epoch = {}, {}
+    for rank in (0, 1):
+        text = (probe / f"rank{rank}.jsonl").read_text()
+        lines = [json.loads(line) for line in text.splitlines()]
+        assert lines and len(lines) % 2 == 0, lines  # the same steps in each of 2 epochs
+        assert {(r["rank"], r["world"]) for r in lines} == {(rank, 2)}, lines[:2]
+        (seen[rank],) = {r["cuda_visible"] for r in lines}
+        first_epoch[rank] = {i for r in lines[:len(lines) // 2] for i in r["batch"]}
+    assert sorted(seen.values()) == ["0", "1"], seen
+    assert not list(probe.glob("rank[2-9]*.jsonl"))
+    # one run: the ranks share out the training set
+    assert first_epoch[0] and not first_epoch[0] & first_epoch[1], first_epoch
+    assert "training on cpu x2" in (wf / "logs/train/ranks.log").read_text()
