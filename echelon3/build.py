@@ -103,41 +103,26 @@ def resolve_type(spec: Mapping, key: str, config_dir: Path | None = None) -> Cal
     return target
 
 
-def accepted_keywords(target: Callable) -> tuple[list[str], bool]:
-    """(keyword names ``target`` accepts, whether it takes ``**kwargs``)."""
-    try:
-        sig = inspect.signature(target)
-    except (TypeError, ValueError):
-        return [], True
-    names, var_kw = [], False
-    for p in sig.parameters.values():
-        if p.kind is p.VAR_KEYWORD:
-            var_kw = True
-        elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-            names.append(p.name)
-    return names, var_kw
-
-
 def check_arguments(target: Callable, kwargs: Mapping[str, Any], key: str,
                     injected: Mapping[str, Any] = ()) -> None:
     """Name an unknown or missing keyword before calling, with what is accepted."""
-    names, var_kw = accepted_keywords(target)
+    try:
+        params = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):
+        return  # no signature to check against (some builtins); the call itself will tell
+    keyword = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               and p.name != "self"]
     label = getattr(target, "__qualname__", repr(target))
-    if not var_kw:
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        names = [p.name for p in keyword]
         for arg in kwargs:
             if arg not in names:
                 where = f"{key}.config.{arg}" if arg not in injected else key
-                offered = [n for n in names if n not in injected and n != "self"]
+                offered = [n for n in names if n not in injected]
                 raise BuildError(where, f"{label} does not accept '{arg}'"
                                  f"{did_you_mean(arg, offered)}; it accepts: "
                                  f"{', '.join(offered) or '(nothing)'}")
-    try:
-        sig = inspect.signature(target)
-    except (TypeError, ValueError):
-        return
-    missing = [p.name for p in sig.parameters.values()
-               if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-               and p.name not in kwargs and p.name != "self"]
+    missing = [p.name for p in keyword if p.default is p.empty and p.name not in kwargs]
     if missing:
         raise BuildError(f"{key}.config", f"{label} requires {', '.join(map(repr, missing))}")
 
@@ -292,8 +277,8 @@ def build_datasets(cfg, config_dir: Path | None = None, train: bool = True):
     return train_set, tests, True
 
 
-def build_losses(cfg, config_dir: Path | None = None, required: bool = True):
-    """``loss``: [{name: {module, type, config, weight}}] -> {name: (fn, weight)}."""
+def build_losses(cfg, config_dir: Path | None = None, required: bool = True, device=None):
+    """``loss``: [{name: {module, type, config, weight}}] -> {name: (fn, weight)}, on ``device``."""
     if cfg.get("loss") is None:
         if required:
             raise BuildError("loss", "required section missing for 'train'")
@@ -304,14 +289,17 @@ def build_losses(cfg, config_dir: Path | None = None, required: bool = True):
         weight = spec.get("weight", 1.0) if isinstance(spec, Mapping | DictConfig) else 1.0
         if not isinstance(weight, int | float):
             raise BuildError(f"{key}.weight", f"must be a number, got {weight!r}")
-        losses[name] = (instantiate(spec, key, config_dir, extra_keys=("weight",)), float(weight))
+        fn = instantiate(spec, key, config_dir, extra_keys=("weight",))
+        if device is not None and hasattr(fn, "to"):
+            fn = fn.to(device)
+        losses[name] = (fn, float(weight))
     if required and not losses:
         raise BuildError("loss", "lists no loss")
     return losses
 
 
-def build_metrics(cfg, config_dir: Path | None = None):
-    """``metrics``: [{name: triple}] -> {name: metric}; unusable objects rejected here."""
+def build_metrics(cfg, config_dir: Path | None = None, device=None):
+    """``metrics``: [{name: triple}] -> {name: metric} on ``device``; unusable ones rejected."""
     from echelon3.metrics.base import is_usable_metric
 
     metrics = {}
@@ -320,7 +308,7 @@ def build_metrics(cfg, config_dir: Path | None = None):
         if not is_usable_metric(metric):
             raise BuildError(f"metrics.{name}", f"{type(metric).__name__} is not a metric: it "
                              "needs update(preds, target), compute() and reset()")
-        metrics[name] = metric
+        metrics[name] = metric.to(device) if device is not None else metric
     return metrics
 
 

@@ -115,6 +115,15 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
+def load_weights(net, state: dict[str, Any], source: str | os.PathLike) -> None:
+    """Put a checkpoint's network weights into ``net``, or name ``source`` when they don't fit."""
+    try:
+        net.load_state_dict(state["model_state_dict"])
+    except RuntimeError as e:
+        raise CheckpointError(str(source), "does not fit the configured network: "
+                              f"{str(e).splitlines()[0]}") from e
+
+
 # --------------------------------------------------------------------------- RNG state as data
 
 def rng_state() -> dict[str, Any]:

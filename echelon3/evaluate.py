@@ -143,8 +143,8 @@ def evaluate(rc, device, launcher) -> None:
                                    "Evaluator")
     evaluator = build.instantiate(spec, "evaluator", rc.config_dir, path=cfg.target.path)
     # Everything the config can get wrong is built before the checkpoint is read.
-    metrics = build.build_metrics(cfg, rc.config_dir)
-    losses = build.build_losses(cfg, rc.config_dir, required=False)
+    metrics = build.build_metrics(cfg, rc.config_dir, device=device)
+    losses = build.build_losses(cfg, rc.config_dir, required=False, device=device)
     _, tests, named = build.build_datasets(cfg, rc.config_dir, train=False)
     _, loaders = create_dataloaders(cfg.dataloaders, None, tests, rank=launcher.rank,
                                     world_size=launcher.world_size, seed=cfg.get("seed", 0),
@@ -153,7 +153,5 @@ def evaluate(rc, device, launcher) -> None:
         trainer = (cfg.get("trainer") or {}).get("config") or {}
         evaluator.float_labels = bool(trainer.get("float_labels", False))
     net, precision = load_for_inference(rc, device, getattr(evaluator, "checkpoint", None))
-    metrics = {k: m.to(device) for k, m in metrics.items()}
-    losses = {k: (fn.to(device) if hasattr(fn, "to") else fn, w) for k, (fn, w) in losses.items()}
     evaluator(net=net, test_loaders=loaders, metrics=metrics, losses=losses,
               precision=precision, device=device, named_sets=named)

@@ -9,8 +9,7 @@ import numpy as np
 import torch
 
 from echelon3 import build
-from echelon3.checkpoint import CheckpointManager, load
-from echelon3.errors import CheckpointError
+from echelon3.checkpoint import CheckpointManager, load, load_weights
 from echelon3.precision import Precision
 
 log = logging.getLogger(__name__)
@@ -34,11 +33,7 @@ def load_for_inference(rc, device, checkpoint: str | None):
     precision = Precision.from_config(device, cfg.get("precision"), key="precision")
     path = manager.for_inference(checkpoint)
     state = load(path)
-    try:
-        net.load_state_dict(state["model_state_dict"])
-    except RuntimeError as e:
-        raise CheckpointError(str(path), "does not fit the configured network: "
-                              f"{str(e).splitlines()[0]}") from e
+    load_weights(net, state, path)
     net.to(device).eval()
     log.info("loaded %s (epoch %s); precision %s", path, state.get("epoch"), precision.describe())
     return net, precision

@@ -22,7 +22,8 @@ import torch
 from omegaconf import OmegaConf
 
 from echelon3 import __version__, build
-from echelon3.checkpoint import BEST, KEPT_BEST, CheckpointManager, atomic_write_text
+from echelon3.checkpoint import (BEST, KEPT_BEST, CheckpointManager, atomic_write_text,
+                                 load_weights)
 from echelon3.config import RunConfig, require
 from echelon3.data import create_dataloaders
 from echelon3.dist import is_main
@@ -81,6 +82,7 @@ def fingerprint(cfg) -> str:
 
 
 def find_resume_state(cfg, checkpoints: CheckpointManager, fp: str):
+    """(path, state) of the checkpoint to continue from, or None to start fresh."""
     found = checkpoints.latest_loadable()
     if found is None:
         return None
@@ -89,7 +91,7 @@ def find_resume_state(cfg, checkpoints: CheckpointManager, fp: str):
     if previous is None or previous == fp:
         log.info("Resuming from %s (epoch %d, step %d)", path, state["epoch"],
                  state["global_step"])
-        return state
+        return found
     policy = cfg.get("on_config_change", "error")
     if policy not in ON_CHANGE:
         raise ConfigError("on_config_change", f"must be one of {', '.join(ON_CHANGE)}, "
@@ -97,7 +99,7 @@ def find_resume_state(cfg, checkpoints: CheckpointManager, fp: str):
     if policy == "resume":
         log.warning("%s was made by a different config; resuming anyway (on_config_change: "
                     "resume)", path)
-        return state
+        return found
     if policy == "error":
         raise CheckpointError(str(checkpoints.path), "holds checkpoints of a different config; "
                               "use another target.path, or set on_config_change=restart "
@@ -148,23 +150,18 @@ def train(rc: RunConfig, device, launcher) -> None:
     seed_everything(seed)
     checkpoints = build.build_target(cfg, rc.config_dir)
     fp = fingerprint(cfg)
-    state = find_resume_state(cfg, checkpoints, fp)
+    path, state = find_resume_state(cfg, checkpoints, fp) or (None, None)
 
     net = build.build_net(cfg, rc.config_dir)
     if state is not None:
-        try:
-            net.load_state_dict(state["model_state_dict"])
-        except RuntimeError as e:
-            raise CheckpointError(str(checkpoints.path), "its newest checkpoint does not fit the "
-                                  f"configured network: {str(e).splitlines()[0]}") from e
+        load_weights(net, state, path)
     net.to(device)
     train_set, tests, named = build.build_datasets(cfg, rc.config_dir)
     train_loader, test_loaders = create_dataloaders(
         cfg.dataloaders, train_set, tests, rank=launcher.rank, world_size=launcher.world_size,
         seed=seed, config_dir=rc.config_dir)
-    losses = {k: (fn.to(device) if hasattr(fn, "to") else fn, w)
-              for k, (fn, w) in build.build_losses(cfg, rc.config_dir).items()}
-    metrics = {k: m.to(device) for k, m in build.build_metrics(cfg, rc.config_dir).items()}
+    losses = build.build_losses(cfg, rc.config_dir, device=device)
+    metrics = build.build_metrics(cfg, rc.config_dir, device=device)
     optimizer = build.build_optimizer(cfg, net.parameters(), rc.config_dir)
     scheduler = build.build_scheduler(cfg, optimizer, rc.config_dir)
     precision = Precision.from_config(device, settings["precision"], settings["tf32"],
