@@ -252,7 +252,7 @@ def build_net(cfg, config_dir: Path | None = None):
             net.load_state_dict(strip_prefixes(state))
         except RuntimeError as e:
             raise BuildError("net.weights", f"{path} does not fit the network: "
-                             f"{str(e).splitlines()[0]}") from e
+                             f"{' '.join(line.strip() for line in str(e).splitlines()[:2])}") from e
     return net
 
 

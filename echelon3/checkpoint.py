@@ -121,7 +121,7 @@ def load_weights(net, state: dict[str, Any], source: str | os.PathLike) -> None:
         net.load_state_dict(state["model_state_dict"])
     except RuntimeError as e:
         raise CheckpointError(str(source), "does not fit the configured network: "
-                              f"{str(e).splitlines()[0]}") from e
+                              f"{' '.join(line.strip() for line in str(e).splitlines()[:2])}") from e
 
 
 # --------------------------------------------------------------------------- RNG state as data

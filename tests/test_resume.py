@@ -168,3 +168,16 @@ def test_a_changed_config_with_resume_continues(tmp_path):
                     "on_config_change=resume") == 0
     assert [r["epoch"] for r in history(out, "val")] == [1, 2, 3]
     assert not list(out.glob("superseded-*"))
+
+
+def test_resuming_into_a_network_of_another_shape_is_a_clear_error(probe):
+    from tests.conftest import run_cli
+
+    config_dir, write = probe
+    write(epochs=1)
+    assert run_cli(["train", "-cd", str(config_dir), "-cn", "probe"]).returncode == 0
+    result = run_cli(["train", "-cd", str(config_dir), "-cn", "probe", "trainer.config.epochs=2",
+                      "net.config.classes=3", "on_config_change=resume"])
+    assert result.returncode == 2
+    assert "checkpoint-1.tar: does not fit the configured network" in result.stderr
+    assert "size mismatch for fc.weight" in result.stderr and "Traceback" not in result.stderr
