@@ -122,14 +122,15 @@ def all_reduce_sum_(*tensors) -> None:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
+def all_gather_object(obj: Any) -> list[Any]:
+    """``obj`` of every rank, in rank order (``[obj]`` in a single process)."""
     if not _initialized():
-        return obj
+        return [obj]
     import torch.distributed as dist
 
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 def unwrap(model):

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-from echelon3.dist import get_world_size, is_main
+from echelon3.dist import all_gather_object, is_main
 from echelon3.checkpoint import atomic_write_text
 from echelon3.evaluate import split_batch, to_device
 
@@ -29,16 +29,6 @@ def _inputs(batch: Any):
         return split_batch(batch)[0]
     except TypeError:
         return batch
-
-
-def _gather(rows: list) -> list:
-    if get_world_size() <= 1:
-        return rows
-    import torch.distributed as dist
-
-    parts: list = [None] * get_world_size()
-    dist.all_gather_object(parts, rows)
-    return [row for part in parts for row in part]
 
 
 class Runner:
@@ -68,7 +58,7 @@ class Runner:
                     out = net(to_device(_inputs(batch), device)).float().cpu()
                 for pred in out:
                     rows.append((set_name, next(order), pred))
-        rows = _gather(rows)
+        rows = [row for part in all_gather_object(rows) for row in part]
         if is_main():
             self.write(sorted(rows, key=lambda r: (list(loaders).index(r[0]), r[1])), named_sets)
         return len(rows)

@@ -170,6 +170,9 @@ def train(rc: RunConfig, device, launcher) -> None:
     log.info("training on %s x%d, precision %s%s", device, launcher.world_size,
              precision.describe(), ", compiled" if settings["compile"] else "")
     model = wrap(net, device, launcher.world_size, settings)
+    # Same initial weights everywhere (seeded above); from here each rank draws its own
+    # dropout masks and augmentations.
+    seed_everything(seed + launcher.rank)
 
     write_run_config(cfg, checkpoints.path)
     logger = build.build_mlops(cfg, str(checkpoints.path), rc.config_dir) if is_main() \

@@ -42,9 +42,10 @@ class ProbeNet(nn.Module):
 
     def __init__(self, log_dir: str | None = None, features: int = 8, classes: int = 2,
                  fail_on_rank: int | None = None, fail_at_step: int = 3, kill: bool = False,
-                 sleep: float = 0.0):
+                 sleep: float = 0.0, dropout: float = 0.0):
         super().__init__()
         self.fc = nn.Linear(features - 1, classes)
+        self.drop = nn.Dropout(dropout)
         self.log_dir, self.fail_on_rank, self.fail_at_step = log_dir, fail_on_rank, fail_at_step
         self.kill, self.sleep, self.steps = kill, sleep, 0
 
@@ -66,7 +67,7 @@ class ProbeNet(nn.Module):
                 import time
 
                 time.sleep(self.sleep)
-        return self.fc(x[:, 1:])
+        return self.fc(self.drop(x[:, 1:]))
 
 
 class CountingAccuracy(Metric):

@@ -186,6 +186,26 @@ def test_checkpoints_cross_resume_between_one_and_two_processes(probe, mode):
     assert final["epoch"] == 3 and final["global_step"] == 3 * 8
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_two_rank_resume_equals_an_uninterrupted_run(tmp_path, mode):
+    """Every rank gets its own RNG state back (dropout differs per rank), so 2+2 == 4."""
+    from tests.conftest import probe_config
+
+    runs = {}
+    for name, plan in (("straight", [4]), ("resumed", [2, 4])):
+        directory = tmp_path / name
+        probe_config(directory, epochs=4, net={"dropout": 0.5})
+        for epochs in plan:
+            result = launch(mode, directory, f"trainer.config.epochs={epochs}")
+            assert result.returncode == 0, result.stderr
+        runs[name] = torch.load(directory / "run" / "checkpoint-4.tar", weights_only=True)
+        assert len(runs[name]["rng_states"]) == 2
+    a, b = runs["straight"]["model_state_dict"], runs["resumed"]["model_state_dict"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ranks = runs["straight"]["rng_states"]
+    assert not torch.equal(ranks[0]["torch"], ranks[1]["torch"])  # ranks draw differently
+
+
 # --------------------------------------------------------------------------- failures and Ctrl-C
 
 def _session_pids(sid: int) -> list[int]:
@@ -411,7 +431,7 @@ def test_rank_helpers_are_no_ops_in_one_process(monkeypatch):
     assert torch.equal(t, torch.ones(3))
     assert dist.get_rank() == 0 and dist.get_world_size() == 1 and dist.is_main()
     dist.barrier()
-    assert dist.broadcast_object({"a": 1}) == {"a": 1}
+    assert dist.all_gather_object({"a": 1}) == [{"a": 1}]
 
 
 def test_process_group_timeout_env(monkeypatch):

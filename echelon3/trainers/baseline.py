@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 
 from echelon3.checkpoint import rng_state, set_rng_state, strip_prefixes
 from echelon3.data import set_epoch
-from echelon3.dist import all_reduce_sum_, get_world_size, is_main, unwrap
+from echelon3.dist import (all_gather_object, all_reduce_sum_, get_rank, get_world_size,
+                           is_main, unwrap)
 from echelon3.errors import ConfigError
 from echelon3.evaluate import evaluate_sets, metric_name, split_batch, to_device, weighted_loss
 from echelon3.runtime import interrupted
@@ -101,7 +102,8 @@ class Trainer:
             "global_step": self.global_step,
             "metrics": dict(self.last_metrics),
             "best_metrics": dict(self.best_metrics) if self.best_metrics else None,
-            "rng_state": rng_state(),
+            "rng_state": rng_state(),  # rank 0's; every rank's below, for exact DDP resume
+            "rng_states": all_gather_object(rng_state()) if get_world_size() > 1 else None,
             **self.extra_state,
         }
 
@@ -114,7 +116,9 @@ class Trainer:
         self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
         self.best_metrics = state.get("best_metrics")
         self.last_metrics = dict(state.get("metrics") or {})
-        self._rng = state.get("rng_state")
+        per_rank = state.get("rng_states")
+        same_world = per_rank is not None and len(per_rank) == get_world_size()
+        self._rng = per_rank[get_rank()] if same_world else state.get("rng_state")
 
     # ------------------------------------------------------------------ one step
 
