@@ -74,6 +74,17 @@ def edit_yaml(path: Path, change) -> None:
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A finished 2-epoch run of tests.helpers' config: checkpoints and best.tar. Read-only."""
+    from tests.helpers import echelon3, write_config
+
+    folder = tmp_path_factory.mktemp("trained")
+    write_config(folder)
+    assert echelon3("train", folder) == 0
+    return folder
+
+
 @pytest.fixture
 def probe(tmp_path):
     """(config dir, writer): call writer(**kwargs) to (re)write probe.yaml."""

@@ -238,15 +238,6 @@ def test_latest_loadable_stops_when_none_loads(tmp_path):
 # --------------------------------------------------------------------------- through the CLI
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A finished 2-epoch run: checkpoint-1, checkpoint-2 and best.tar. Read-only."""
-    folder = tmp_path_factory.mktemp("trained")
-    write_config(folder)
-    assert echelon3("train", folder) == 0
-    return folder
-
-
 def _train(folder: Path) -> Path:
     """The same run as ``trained`` in ``folder`` (the config, target.path included, must match
     for a resume)."""

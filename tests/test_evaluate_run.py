@@ -19,14 +19,6 @@ from echelon3.run import Runner
 from tests.helpers import TEST_LIMIT, echelon3, load, target, write_config
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("trained")
-    write_config(folder)
-    assert echelon3("train", folder) == 0
-    return folder
-
-
 @pytest.fixture
 def run_dir(trained, tmp_path):
     """A private copy of the trained run, configured as ``run.yaml`` in tmp_path."""
