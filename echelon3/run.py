@@ -60,7 +60,8 @@ class Runner:
                     rows.append((set_name, next(order), pred))
         rows = [row for part in all_gather_object(rows) for row in part]
         if is_main():
-            self.write(sorted(rows, key=lambda r: (list(loaders).index(r[0]), r[1])), named_sets)
+            set_rank = {name: i for i, name in enumerate(loaders)}
+            self.write(sorted(rows, key=lambda r: (set_rank[r[0]], r[1])), named_sets)
         return len(rows)
 
     def write(self, rows: list, named_sets: bool) -> None:
