@@ -169,11 +169,22 @@ class CheckpointManager:
                  if (m := _ROLLING.match(p.name))]
         return [p for _, p in sorted(found, reverse=True)]
 
-    def save_checkpoint(self, state: dict[str, Any], epoch: int) -> None:
-        """Write ``checkpoint-<epoch>.tar`` and apply retention; returns at once off rank 0."""
+    def save_checkpoint(self, state: dict[str, Any], epoch: int, best: bool = False) -> None:
+        """Write ``checkpoint-<epoch>.tar`` and apply retention; returns at once off rank 0.
+
+        ``best``: the same state is also the keep-best winner; ``best.tar`` becomes a hard
+        link to this file instead of a second write.
+        """
         if not is_main():
             return
-        atomic_save(state, self.path / f"checkpoint-{epoch}.tar")
+        path = self.path / f"checkpoint-{epoch}.tar"
+        atomic_save(state, path)
+        if best:
+            tmp = self.path / f".{KEPT_BEST}.{os.getpid()}.link"
+            tmp.unlink(missing_ok=True)
+            os.link(path, tmp)
+            os.replace(tmp, self.path / KEPT_BEST)
+            self._publish_best()
         for old in self.rolling()[self.checkpoints_to_keep:]:
             old.unlink(missing_ok=True)
 
