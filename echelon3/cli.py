@@ -76,7 +76,7 @@ def _execute(args) -> None:
     if args.print_config:
         sys.stdout.write(to_yaml(rc.cfg))
         return
-    from echelon3 import data, runtime
+    from echelon3 import data, lock, runtime
     from echelon3.build import check_specs
 
     module, function, _ = TASKS[args.command]
@@ -86,7 +86,8 @@ def _execute(args) -> None:
         data.check_batch_sizes(rc.cfg.get("dataloaders"), plan.world_size)
         check_specs(rc.cfg, rc.config_dir, skip=OTHER_TASKS_ONLY[args.command])
 
-    runtime.launch(task, rc, validate)
+    with lock.for_launch(args.command, rc.cfg):
+        runtime.launch(task, rc, validate)
 
 
 def _user_error(e: BaseException):
