@@ -9,6 +9,7 @@ traceback to a user error or an interruption; the exit code stays the same.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import traceback
@@ -82,11 +83,14 @@ def _execute(args) -> None:
     module, function, _ = TASKS[args.command]
     task = getattr(importlib.import_module(module), function)
 
+    held = contextlib.ExitStack()  # target.path's lock, claimed once the checks pass
+
     def validate(plan):
         data.check_batch_sizes(rc.cfg.get("dataloaders"), plan.world_size)
         check_specs(rc.cfg, rc.config_dir, skip=OTHER_TASKS_ONLY[args.command])
+        held.enter_context(lock.for_launch(args.command, rc.cfg))
 
-    with lock.for_launch(args.command, rc.cfg):
+    with held:
         runtime.launch(task, rc, validate)
 
 
