@@ -79,17 +79,18 @@ class EpochClock:
         self.step += time.perf_counter() - started
         self.steps += 1
 
-    def sample_device(self, step_fn) -> None:
-        """Run one step between CUDA events (GPU only); the elapsed time is read later."""
+    def sample_device(self, step_fn):
+        """``step_fn()`` between CUDA events (GPU only); the elapsed time is read later."""
         self._read_events()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        step_fn()
+        result = step_fn()
         end.record()
         self._events = (start, end)
         util = _nvml_utilization(self.device)
         if util is not None:
             self._util.append(util)
+        return result
 
     def _read_events(self, wait: bool = False) -> None:
         if self._events is None:

@@ -33,6 +33,7 @@ from echelon3.errors import ConfigError
 from echelon3.evaluate import evaluate_sets, metric_name, split_batch, to_device, weighted_loss
 from echelon3.runtime import interrupted
 from echelon3.trainers.running import RunningLosses
+from echelon3.trainers.nonfinite import NonFiniteGuard
 from echelon3.trainers.selection import KeepBest
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,8 @@ class Trainer:
                  times_to_validate_per_epoch: int = 1,
                  keep_best_on: Any = None, high_is_better: bool = True,
                  metrics_on: str | Sequence[str] | None = None, float_labels: bool = False,
-                 log_every_n_steps: int = 50, progress_bar: bool = True):
+                 log_every_n_steps: int = 50, progress_bar: bool = True,
+                 nan_policy: str = "stop"):
         if int(epochs) < 1 or int(times_to_validate_per_epoch) < 1:
             raise ValueError("epochs and times_to_validate_per_epoch must be at least 1")
         self.net, self.losses, self.optimizer = net, losses, optimizer
@@ -76,6 +78,7 @@ class Trainer:
         self.progress_bar = progress_bar and is_main()
         self.extra_state = dict(extra_state or {})
         self.closure = is_closure_optimizer(optimizer)
+        self.nonfinite = NonFiniteGuard(nan_policy, self.closure)
         sets = [metrics_on] if isinstance(metrics_on, str) else list(metrics_on or test_loaders)
         unknown = [s for s in sets if s not in test_loaders]
         if unknown:
@@ -155,6 +158,8 @@ class Trainer:
             self.precision.step(self.optimizer, closure)
         else:
             closure()
+            if self.nonfinite.skip(recorded["loss"]):
+                return {}
             self.precision.step(self.optimizer)
         return {k: v.detach() for k, v in recorded.items()}
 
@@ -171,6 +176,7 @@ class Trainer:
     def validate(self, epoch: int, save_best: bool = True) -> bool:
         """Validate during ``epoch`` (1-based, the epoch in progress or just finished);
         True when keep-best took this result (saved as best.tar if ``save_best``)."""
+        self.nonfinite.check()
         metrics = self.evaluate()
         self.last_metrics = metrics
         best = self.keep_best.is_better(metrics, self.best_metrics)
@@ -210,12 +216,15 @@ class Trainer:
                 raise KeyboardInterrupt
             started = clock.step_started()
             if i % self.log_every == sample_at:
-                clock.sample_device(lambda: self.running.add(self.train_step(batch)))
+                parts = clock.sample_device(lambda: self.train_step(batch))
             else:
-                self.running.add(self.train_step(batch))
+                parts = self.train_step(batch)
             clock.step_ended(started)
             self.global_step += 1
+            self.nonfinite.observe(epoch + 1, self.global_step, parts)
+            self.running.add(parts)
             if i % self.log_every == 0 or i == steps:
+                self.nonfinite.check()
                 self._log(self.running.close_interval(
                     {"split": "train", "epoch": epoch + 1, "step": self.global_step}))
             if i in validate_at:
@@ -240,11 +249,13 @@ class Trainer:
             if self.scheduler is not None:
                 self.scheduler.step()
             self.epoch = epoch + 1
+            self.nonfinite.end_epoch(self.epoch)
             with clock.aside():
                 best = self.validate(self.epoch, save_best=False)
                 self.checkpoints.save_checkpoint(self.state_dict(), self.epoch, best=best)
             self._report_time(clock, first=epoch == report_after)
         self.checkpoints.ensure_best()
+        self.nonfinite.end_fit()
         return self.best_metrics
 
     def _report_time(self, clock: EpochClock, first: bool) -> None:

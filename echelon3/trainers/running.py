@@ -27,7 +27,9 @@ class RunningLosses:
         self._pending: tuple[dict, torch.Tensor] | None = None
 
     def add(self, values: Mapping[str, torch.Tensor]) -> None:
-        """One step's detached losses, by name."""
+        """One step's detached losses, by name (none: a step left out)."""
+        if not values:
+            return
         if self.same_as_total:
             self._steps.append(values["loss"])
         else:
