@@ -12,7 +12,8 @@ epoch :meth:`EpochClock.report` returns the fractions of the epoch's wall time:
                    scheduler;
 - ``validation_checkpoint``  validation, keep-best and the checkpoint.
 
-They sum to 1. On a GPU it adds ``device_step_ms`` (CUDA events around one
+They sum to 1. With torch.compile it adds ``compiles``: graphs compiled during the
+epoch; after the first epoch (warm-up) any is a recompile, and is warned about. On a GPU it adds ``device_step_ms`` (CUDA events around one
 step per log interval, read without waiting) and ``device_util`` (NVML's
 utilization, when pynvml is installed). The cost is two clock reads per step.
 """
@@ -40,13 +41,27 @@ def _nvml_utilization(device: torch.device) -> float | None:
         return None
 
 
+def compile_count() -> int:
+    """Frames torch.compile has compiled in this process (first compiles and recompiles)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["total"])
+
+
+def is_compiled(net) -> bool:
+    """``net`` is a torch.compile module, or DDP around one."""
+    inner = getattr(net, "module", net)
+    return type(net).__name__ == "OptimizedModule" or type(inner).__name__ == "OptimizedModule"
+
+
 class EpochClock:
     """Per-epoch timing; one per trainer. Cheap enough to stay on (parity runs include it)."""
 
-    def __init__(self, device: torch.device, loader=None):
+    def __init__(self, device: torch.device, loader=None, compiled: bool = False):
         self.device = torch.device(device)
         self.loader = loader
         self.cuda = self.device.type == "cuda"
+        self.compiled = compiled
         self._events: tuple | None = None
         self._reset()
 
@@ -55,6 +70,7 @@ class EpochClock:
         self.steps = 0
         self._device_ms: list[float] = []
         self._util: list[float] = []
+        self._compiles = compile_count() if self.compiled else 0
         self._start = time.perf_counter()
 
     # ------------------------------------------------------------------ per step
@@ -127,6 +143,8 @@ class EpochClock:
             out["device_step_ms"] = sorted(self._device_ms)[len(self._device_ms) // 2]
         if self._util:
             out["device_util"] = sum(self._util) / len(self._util)
+        if self.compiled:
+            out["compiles"] = compile_count() - self._compiles
         self._reset()
         return out
 

@@ -25,7 +25,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm  # not tqdm.auto: its asyncio variant opens every loader twice
 
-from echelon3.bottleneck import EpochClock
+from echelon3.bottleneck import EpochClock, is_compiled
 from echelon3.checkpoint import rng_state, set_rng_state, strip_prefixes
 from echelon3.data import set_epoch
 from echelon3.dist import all_gather_object, get_rank, get_world_size, is_main, unwrap
@@ -242,8 +242,9 @@ class Trainer:
         self.logger.rewind(self.global_step)
         if self.epoch >= self.epochs:
             log.info("nothing to train: %d of %d epochs already done", self.epoch, self.epochs)
-        clock = EpochClock(self.device, self.train_loader)
-        report_after = min(self.epoch + 1, self.epochs - 1)  # the first steady-state epoch
+        clock = EpochClock(self.device, self.train_loader, compiled=is_compiled(self.net))
+        start = self.epoch
+        report_after = min(start + 1, self.epochs - 1)  # the first steady-state epoch
         for epoch in range(self.epoch, self.epochs):
             self._train_epoch(epoch, clock)
             if self.scheduler is not None:
@@ -253,16 +254,19 @@ class Trainer:
             with clock.aside():
                 best = self.validate(self.epoch, save_best=False)
                 self.checkpoints.save_checkpoint(self.state_dict(), self.epoch, best=best)
-            self._report_time(clock, first=epoch == report_after)
+            self._report_time(clock, first=epoch == report_after, warm=epoch > start)
         self.checkpoints.ensure_best()
         self.nonfinite.end_fit()
         return self.best_metrics
 
-    def _report_time(self, clock: EpochClock, first: bool) -> None:
+    def _report_time(self, clock: EpochClock, first: bool, warm: bool) -> None:
         """Where the epoch's time went: in history every epoch, in the log once."""
         report = clock.report()
         self.logger.log({"split": "time", "epoch": self.epoch, "step": self.global_step,
                          **report})
+        if warm and report.get("compiles"):
+            log.warning("torch.compile recompiled %d time(s) in epoch %d, after warm-up; "
+                        "TORCH_LOGS=recompiles says why", report["compiles"], self.epoch)
         if first:
             log.info(clock.summary(self.epoch, report))
             lever = clock.lever(report)
