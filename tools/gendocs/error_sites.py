@@ -1,10 +1,11 @@
 """Every error message a user can get, found by reading the code's raise sites.
 
 The scan covers the package, the workflow's helpers (``workflow/rules/*.smk``,
-``workflow/scripts/*.py``) and reports, for each ``raise``:
+``workflow/scripts/*.py``) and reports, for each error made or raised:
 
 - a :class:`echelon3.errors.UserError` (or any class derived from one, in any
-  scanned file): the one line ``echelon3: error: KEY: MESSAGE``, exit code 2;
+  scanned file), wherever it is constructed (a helper may build it for a caller
+  to raise): the one line ``echelon3: error: KEY: MESSAGE``, exit code 2;
 - ``WorkerFailed``: the launcher's summary of a failed worker;
 - ``ValueError`` / ``TypeError`` / ``RuntimeError`` raised by the constructor of
   a built-in component: the builder turns it into a one-line error naming the
@@ -35,8 +36,19 @@ class Site:
     places: list[str] = field(default_factory=list)  # function names
 
 
-# Module-level string constants of every scanned file, inlined where a message uses them.
-_CONSTANTS: dict[str, str] = {}
+# Module-level string constants, inlined where a message uses them: a bare name from the
+# file being scanned, ``module.NAME`` from whichever file defines it (if only one does).
+_CONSTANTS: dict[str, dict[str, str]] = {}
+_CURRENT: list[str] = [""]
+
+
+def _constant(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return _CONSTANTS.get(_CURRENT[0], {}).get(node.id)
+    if isinstance(node, ast.Attribute):
+        values = {c[node.attr] for c in _CONSTANTS.values() if node.attr in c}
+        return values.pop() if len(values) == 1 else None
+    return None
 
 
 def _placeholder(node: ast.expr) -> str:
@@ -44,9 +56,8 @@ def _placeholder(node: ast.expr) -> str:
         return " (did you mean '…'?)"
     if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "str" and node.args:
         return _placeholder(node.args[0])
-    name = ast.unparse(node).rsplit(".", 1)[-1]
-    if isinstance(node, (ast.Name, ast.Attribute)) and name in _CONSTANTS:
-        return _CONSTANTS[name]
+    if _constant(node) is not None:
+        return _constant(node)
     if isinstance(node, (ast.Name, ast.Attribute)):
         return f"<{ast.unparse(node)}>"
     if isinstance(node, ast.Subscript) and isinstance(node.value, (ast.Name, ast.Attribute)):
@@ -103,12 +114,13 @@ def _trees(repo: Path) -> dict[str, ast.Module]:
 
 
 def _collect_constants(trees: dict[str, ast.Module]) -> None:
-    for tree in trees.values():
+    _CONSTANTS.clear()
+    for source, tree in trees.items():
         for node in tree.body:
             if isinstance(node, ast.Assign) and len(node.targets) == 1 and \
                     isinstance(node.targets[0], ast.Name) and node.targets[0].id.isupper() and \
                     isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-                _CONSTANTS[node.targets[0].id] = node.value.value
+                _CONSTANTS.setdefault(source, {})[node.targets[0].id] = node.value.value
 
 
 def user_error_classes(trees: dict[str, ast.Module]) -> set[str]:
@@ -143,7 +155,7 @@ def _classify(source: str, kind: str, args: list[ast.expr], cls: str | None, fun
         key, message = (args + [None, None])[:2]
         if message is None:  # UserError(message) style
             key, message = None, key
-        head = render(key)
+        head = "" if isinstance(key, ast.Constant) and key.value is None else render(key)
         return f"echelon3: error: {head + ': ' if head else ''}{render(message)}", 2
     if kind == "WorkerFailed":
         return f"echelon3: {render(args[0] if args else None)}", None
@@ -159,6 +171,18 @@ def _classify(source: str, kind: str, args: list[ast.expr], cls: str | None, fun
     return None
 
 
+def _raised(node: ast.AST, user_errors: set[str]):
+    """Calls that make an error the user sees: any construction of a user error (it may
+    be returned by a helper and raised elsewhere), other exceptions where raised."""
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Call) and \
+                ast.unparse(sub.func).rsplit(".", 1)[-1] in user_errors | {"WorkerFailed"}:
+            yield sub
+        elif isinstance(sub, ast.Raise) and isinstance(sub.exc, ast.Call) and \
+                ast.unparse(sub.exc.func).rsplit(".", 1)[-1] not in user_errors:
+            yield sub.exc
+
+
 def scan(repo: Path) -> list[Site]:
     """Every user-facing message, in file order, duplicates merged."""
     trees = _trees(repo)
@@ -166,12 +190,11 @@ def scan(repo: Path) -> list[Site]:
     user_errors = user_error_classes(trees)
     sites: dict[tuple[str, str], Site] = {}
     for source, tree in trees.items():
+        _CURRENT[0] = source
         for function, cls, node in _functions(tree):
-            for sub in ast.walk(node):
-                if not (isinstance(sub, ast.Raise) and isinstance(sub.exc, ast.Call)):
-                    continue
-                kind = ast.unparse(sub.exc.func).rsplit(".", 1)[-1]
-                found = _classify(source, kind, list(sub.exc.args), cls, function, user_errors)
+            for call in _raised(node, user_errors):
+                kind = ast.unparse(call.func).rsplit(".", 1)[-1]
+                found = _classify(source, kind, list(call.args), cls, function, user_errors)
                 if found is None:
                     continue
                 text, code = found
