@@ -88,6 +88,7 @@ def _initialized() -> bool:
 
 
 def get_rank() -> int:
+    """This process's rank in the job: 0 in a single process."""
     if _initialized():
         import torch.distributed as dist
 
@@ -96,6 +97,7 @@ def get_rank() -> int:
 
 
 def get_world_size() -> int:
+    """Number of processes in the job: 1 in a single process."""
     if _initialized():
         import torch.distributed as dist
 
@@ -104,10 +106,12 @@ def get_world_size() -> int:
 
 
 def is_main() -> bool:
+    """True on rank 0, the rank that prints, logs and writes files."""
     return get_rank() == 0
 
 
 def barrier() -> None:
+    """Wait until every rank gets here; a no-op in a single process."""
     if _initialized():
         import torch.distributed as dist
 
@@ -115,6 +119,7 @@ def barrier() -> None:
 
 
 def all_reduce_sum_(*tensors) -> None:
+    """Sum each tensor in place across ranks; a no-op in a single process."""
     if _initialized():
         import torch.distributed as dist
 

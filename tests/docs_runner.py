@@ -11,7 +11,8 @@ run in page order inside a scratch copy of the project (``config/``,
   ``config/experiments/digits_cnn.yaml``, composed with ``--print-config`` and
   checked as the CLI's pre-flight does (every module imported, every type found,
   batch sizes divisible by the world size); a workflow config (``experiments:``)
-  is validated against ``workflow/schemas/config.schema.yaml``;
+  is validated against ``workflow/schemas/config.schema.yaml`` and the configs
+  it names must exist;
 - ``python``: executed.
 
 An HTML comment right above a block changes how it runs (invisible on the site)::
@@ -198,7 +199,7 @@ class PageRun:
         data = yaml.safe_load(example.parsed)
         assert isinstance(data, dict), "a YAML example must be a mapping"
         if {"experiments", "sweeps", "leaderboard", "config_dir"} & set(data):
-            check_workflow_config(data)
+            check_workflow_config(data, self.project)
         elif "file" in options and not options["file"].endswith(".yaml"):
             raise AssertionError(f"{options['file']}: only .yaml files are composed")
         else:
@@ -226,11 +227,17 @@ def simple_echelon3(command: str) -> list[str] | None:
     return shlex.split(command, comments=True)
 
 
-def check_workflow_config(data: dict) -> None:
+def check_workflow_config(data: dict, project: Path) -> None:
+    """Valid for the workflow's schema, and every run it names has its config file."""
     import jsonschema
 
     schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
     jsonschema.validate(data, schema)
+    folder = project / data.get("config_dir", "config/experiments")
+    for section in ("experiments", "sweeps"):
+        for name, run in (data.get(section) or {}).items():
+            assert (folder / f"{run['config']}.yaml").is_file(), \
+                f"{section}.{name}: no {run['config']}.yaml in {folder}"
 
 
 def compose_and_check(project: Path, text: str, file: str | None) -> None:
