@@ -115,12 +115,15 @@ class PageRun:
         self.project = scratch_project(root)
         self.ran: list[str] = []
         self.skipped: list[str] = []
+        # Commands that write to the user's config folder (profiles install) write here.
+        self.private_env = {"XDG_CONFIG_HOME": str(root / "config-home")}
 
     def env(self, options: dict[str, str]) -> dict[str, str]:
         env = {**os.environ, "PATH": f"{self.root / 'bin'}{os.pathsep}{BIN}{os.pathsep}"
                f"{os.environ.get('PATH', '')}", "PYTHONUNBUFFERED": "1"}
         for name in ("RANK", "WORLD_SIZE", "DOCS_EPOCHS", "DOCS_DRY_RUN"):
             env.pop(name, None)
+        env.update(self.private_env)
         if "epochs" in options:
             env["DOCS_EPOCHS"] = options["epochs"]
         if "dry-run" in options:
@@ -171,14 +174,20 @@ class PageRun:
             args.append(f"trainer.config.epochs={options['epochs']}")
         if "dry-run" in options:
             args.append("--print-config")
-        cwd = os.getcwd()
+        cwd, saved = os.getcwd(), {k: os.environ.get(k) for k in self.private_env}
         os.chdir(self.project)
+        os.environ.update(self.private_env)
         try:
             return cli.main(args)
         except SystemExit as e:  # argparse
             return int(e.code or 0)
         finally:
             os.chdir(cwd)
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
     def python(self, example) -> None:
         options = self._begin(example)
