@@ -25,9 +25,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm  # not tqdm.auto: its asyncio variant opens every loader twice
 
+from echelon3 import preemption
 from echelon3.bottleneck import EpochClock, is_compiled
 from echelon3.checkpoint import rng_state, set_rng_state, strip_prefixes
-from echelon3.data import set_epoch
+from echelon3.data import set_epoch, skip_batches
 from echelon3.dist import all_gather_object, get_rank, get_world_size, is_main, unwrap
 from echelon3.errors import ConfigError
 from echelon3.evaluate import evaluate_sets, metric_name, split_batch, to_device, weighted_loss
@@ -96,6 +97,8 @@ class Trainer:
         single = len(losses) == 1 and next(iter(losses.values()))[1] == 1
         self.running = RunningLosses(["loss", *losses], same_as_total=single)
         self._bar = None
+        self._mid = None  # where a preempted epoch resumes (preemption.resume_point)
+        self._epoch_rng = None  # RNG states as the epoch in progress began
         if resume_state is not None:
             self.restore(resume_state)
 
@@ -134,6 +137,9 @@ class Trainer:
         per_rank = state.get("rng_states")
         same_world = per_rank is not None and len(per_rank) == get_world_size()
         self._rng = per_rank[get_rank()] if same_world else state.get("rng_state")
+        self._mid = preemption.resume_point(state, get_rank(), get_world_size())
+        if self._mid is not None:
+            self._rng = None  # restored as the preempted epoch restarts
 
     # ------------------------------------------------------------------ one step
 
@@ -202,16 +208,16 @@ class Trainer:
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
 
     def _train_epoch(self, epoch: int, clock: EpochClock) -> None:
-        set_epoch(self.train_loader, epoch)
+        batches, done = self._start_epoch(epoch)
         self.net.train()
-        steps = len(self.train_loader)
+        steps, world = len(self.train_loader), get_world_size()
         validate_at = {round(steps * (k + 1) / self.validations)
                        for k in range(self.validations - 1)}
         sample_at = self.log_every // 2 if clock.cuda else -1  # one device-timed step per log
-        self._bar = bar = tqdm(clock.batches(self.train_loader), total=steps,
+        self._bar = bar = tqdm(clock.batches(batches), total=steps, initial=done,
                                desc=f"epoch {epoch + 1}/{self.epochs}",
                                disable=None if self.progress_bar else True, dynamic_ncols=True)
-        for i, batch in enumerate(bar, start=1):
+        for i, batch in enumerate(bar, start=done + 1):
             if interrupted():
                 raise KeyboardInterrupt
             started = clock.step_started()
@@ -231,9 +237,37 @@ class Trainer:
                 self._log(self.running.finish())
                 with clock.aside():
                     self.validate(epoch + 1)
+            if preemption.stop_now(world, self.device):
+                self._preempt(i)
         self._log(self.running.finish())
         bar.close()
         self._bar = None
+
+    def _start_epoch(self, epoch: int):
+        """Set the epoch's data order and open its batches -> (batches, steps done).
+        A preempted epoch continues after its last step, with that moment's RNG states
+        and unlogged losses; the loader draws its seed from the epoch-start state."""
+        set_epoch(self.train_loader, epoch)
+        mid, self._mid = self._mid, None
+        if mid is not None:
+            set_rng_state(mid["epoch_rng"])
+            skip_batches(self.train_loader, mid["step"])
+        self._epoch_rng = rng_state()
+        batches = iter(self.train_loader)
+        if mid is None:
+            return batches, 0
+        set_rng_state(mid["rng"])
+        self.running.restore(mid["sums"], self.device)
+        return batches, mid["step"]
+
+    def _preempt(self, step: int) -> None:
+        """Checkpoint the epoch in progress (every rank takes part) and stop."""
+        self._log(self.running.finish())
+        state = self.state_dict()
+        state["preempted"] = preemption.position(step, self._epoch_rng, *self.running.unlogged())
+        path = self.checkpoints.save_preempted(state)
+        log.info("%s", preemption.report(self.epoch + 1, self.global_step, path))
+        raise preemption.Preempted(str(path))
 
     def fit(self) -> dict[str, float] | None:
         if self._rng is not None:

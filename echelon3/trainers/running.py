@@ -55,3 +55,17 @@ class RunningLosses:
         values = [values] * len(self.names) if self.same_as_total else values
         record.update(zip(self.names, values))
         return record
+
+    # ------------------------------------------------------------------ preemption
+
+    def unlogged(self) -> tuple[dict[str, torch.Tensor], int]:
+        """The steps not yet in a record, for a preemption checkpoint: ({"steps": values}, n).
+        The per-step values themselves, so the resumed run's mean is bit-for-bit the same."""
+        if not self._steps:
+            return {}, 0
+        return {"steps": torch.stack(self._steps)}, len(self._steps)
+
+    def restore(self, saved: Mapping[str, torch.Tensor], device) -> None:
+        """Take back what :meth:`unlogged` gave."""
+        self._pending = None
+        self._steps = list(saved["steps"].to(device).unbind(0)) if "steps" in saved else []
