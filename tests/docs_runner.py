@@ -96,6 +96,9 @@ def _options(mark: str) -> dict[str, str]:
     if mark.startswith("skip"):
         if not mark.removeprefix("skip").strip():
             raise AssertionError("a skipped docs example must say why: <!-- test: skip because ... -->")
+        for path in re.findall(r"\b((?:tests|benchmarks|workflow)/[\w/.-]+\.py)\b", mark):
+            if not (REPO / path).is_file():
+                raise AssertionError(f"a skip reason names {path}, which does not exist")
         return {"skip": mark}
     options = {}
     for word in mark.split():
