@@ -28,6 +28,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from echelon3.errors import ConfigError, did_you_mean
+from echelon3.sections import check_sections
 
 # Root keys the framework knows. A root key starting with "_" is the user's own
 # (handy as an interpolation source) and is left alone.
@@ -201,9 +202,9 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
         else:
             try:
                 OmegaConf.update(cfg, key, value, merge=False, force_add=True)
-            except OmegaConfBaseException as e:
+            except (OmegaConfBaseException, ValueError, TypeError, KeyError, IndexError) as e:
                 raise ConfigError(key, f"cannot apply override '{text}': "
-                                  f"{_first_line(e.msg)}") from e
+                                  f"{_first_line(getattr(e, 'msg', None) or e)}") from e
 
 
 def _check_root_keys(cfg: DictConfig, source: Path) -> None:
@@ -236,6 +237,7 @@ def load_config(config_dir: str | Path | None, config_name: str,
     cfg.pop("hydra", None)
     _resolve(cfg)
     _check_root_keys(cfg, path)
+    check_sections(cfg)
     return RunConfig(cfg=cfg, config_dir=directory, config_file=path)
 
 

@@ -55,6 +55,8 @@ class ShardSampler(Sampler[int]):
 
 def per_rank_batch(global_batch: int, world_size: int, key: str) -> int:
     """``global_batch / world_size``, or a ValueError naming both numbers and nearby valid sizes."""
+    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
+        raise BatchSizeError(key, f"must be a positive whole number, got {global_batch!r}")
     if global_batch % world_size == 0:
         return global_batch // world_size
     lower = (global_batch // world_size) * world_size
@@ -68,7 +70,7 @@ def check_batch_sizes(loaders_cfg: Mapping, world_size: int) -> None:
     """Validate every loader's global batch size before any worker starts."""
     for name, spec in (loaders_cfg or {}).items():
         batch = ((spec or {}).get("config") or {}).get("batch_size", 1)
-        per_rank_batch(int(batch), world_size, f"dataloaders.{name}.config.batch_size")
+        per_rank_batch(batch, world_size, f"dataloaders.{name}.config.batch_size")
 
 
 def _sample_bytes(sample: Any) -> int:
@@ -122,7 +124,7 @@ def create_dataloader(name: str, spec: Mapping, dataset: Dataset, *, train: bool
     for injected in ("dataset", "sampler", "batch_sampler"):
         if injected in config:
             raise BuildError(f"{key}.config.{injected}", "is set by echelon3; remove it")
-    batch = per_rank_batch(int(config.get("batch_size", 1)), world_size,
+    batch = per_rank_batch(config.get("batch_size", 1), world_size,
                            f"{key}.config.batch_size")
     shuffle = bool(config.pop("shuffle", train))
     drop_last = bool(config.pop("drop_last", False))
