@@ -28,7 +28,6 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from echelon3.errors import ConfigError, did_you_mean
-from echelon3.sections import check_sections
 
 # Root keys the framework knows. A root key starting with "_" is the user's own
 # (handy as an interpolation source) and is left alone.
@@ -237,7 +236,6 @@ def load_config(config_dir: str | Path | None, config_name: str,
     cfg.pop("hydra", None)
     _resolve(cfg)
     _check_root_keys(cfg, path)
-    check_sections(cfg)
     return RunConfig(cfg=cfg, config_dir=directory, config_file=path)
 
 

@@ -18,10 +18,11 @@ import sys
 from typing import Any, Iterator, Mapping
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
 from echelon3.build import instantiate, is_spec, to_plain
 from echelon3.errors import BatchSizeError, BuildError
+from echelon3.samples import GuardedCollate, GuardedDataset
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +116,10 @@ def report_prefetch(name: str, dataset: Dataset, world_size: int, num_workers: i
 
 
 def create_dataloader(name: str, spec: Mapping, dataset: Dataset, *, train: bool, rank: int,
-                      world_size: int, seed: int, config_dir=None) -> DataLoader:
-    """Build ``dataloaders.<name>`` for this rank, injecting ``dataset=`` and the sampler."""
+                      world_size: int, seed: int, config_dir=None,
+                      data_key: str = "data") -> DataLoader:
+    """Build ``dataloaders.<name>`` for this rank, injecting ``dataset=`` and the sampler;
+    a bad sample is reported naming ``data_key`` (see :mod:`echelon3.samples`)."""
     key = f"dataloaders.{name}"
     if not is_spec(spec):
         spec = {"module": "torch.utils.data", "type": "DataLoader", **(spec or {})}
@@ -134,6 +137,10 @@ def create_dataloader(name: str, spec: Mapping, dataset: Dataset, *, train: bool
     else:
         sampler = ShardSampler(dataset, world_size, rank)
     config.update(batch_size=batch, drop_last=drop_last if train else False)
+    if not isinstance(dataset, IterableDataset):
+        dataset = GuardedDataset(dataset, data_key)
+        if "collate_fn" not in config:
+            config["collate_fn"] = GuardedCollate(None, data_key)
     workers = int(config.get("num_workers", 0))
     if workers > 0:
         config.setdefault("persistent_workers", False)
@@ -159,21 +166,27 @@ def set_epoch(loader: DataLoader, epoch: int) -> None:
 
 def create_dataloaders(loaders_cfg: Mapping, train_set: Dataset | None,
                        test_sets: Mapping[str, Dataset], *, rank: int = 0, world_size: int = 1,
-                       seed: int = 0, config_dir=None) -> tuple[DataLoader | None,
-                                                                dict[str, DataLoader]]:
+                       seed: int = 0, config_dir=None,
+                       data_keys: Mapping[str, str] | None = None) -> tuple[
+                           DataLoader | None, dict[str, DataLoader]]:
     """The train loader and one loader per test set (``dataloaders.test`` unless a loader
-    is configured under the test set's own name)."""
+    is configured under the test set's own name). ``data_keys``: the config key of a test
+    set, when not ``data.test`` / ``data.test.<name>``."""
     loaders_cfg = loaders_cfg or {}
     common = dict(rank=rank, world_size=world_size, seed=seed, config_dir=config_dir)
     train = None
     if train_set is not None:
         if "train" not in loaders_cfg:
             raise BuildError("dataloaders.train", "required section missing")
-        train = create_dataloader("train", loaders_cfg["train"], train_set, train=True, **common)
+        train = create_dataloader("train", loaders_cfg["train"], train_set, train=True,
+                                  data_key="data.train", **common)
     tests = {}
     for name, dataset in test_sets.items():
         key = name if name in loaders_cfg else "test"
         if key not in loaders_cfg:
             raise BuildError("dataloaders.test", f"required to load test set '{name}'")
-        tests[name] = create_dataloader(key, loaders_cfg[key], dataset, train=False, **common)
+        data_key = (data_keys or {}).get(name) or ("data.test" if name == "test"
+                                                   else f"data.test.{name}")
+        tests[name] = create_dataloader(key, loaders_cfg[key], dataset, train=False,
+                                        data_key=data_key, **common)
     return train, tests

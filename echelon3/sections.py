@@ -86,7 +86,3 @@ def check_sections(cfg: DictConfig) -> None:
     for name, loader in (cfg.get("dataloaders") or {}).items():
         _component(loader, f"dataloaders.{name}")
     _integer(cfg.get("seed"), "seed", -SEED_LIMIT, SEED_LIMIT)
-    for key in ("device", "precision", "on_config_change"):
-        value = cfg.get(key)
-        if value is not None and not isinstance(value, str):
-            raise ConfigError(key, f"must be text, got {_kind(value)}")

@@ -25,6 +25,7 @@ from echelon3.dist import (all_gather_object, all_reduce_sum_, get_rank, get_wor
 from echelon3.errors import ConfigError
 from echelon3.evaluate import evaluate_sets, metric_name, split_batch, to_device, weighted_loss
 from echelon3.runtime import interrupted
+from echelon3.samples import naming_bad_labels
 from echelon3.trainers.nonfinite import NonFiniteGuard
 from echelon3.trainers.selection import KeepBest
 
@@ -205,7 +206,8 @@ class Trainer:
             for i, batch in enumerate(bar, start=1):
                 if interrupted():
                     raise KeyboardInterrupt
-                parts = self.train_step(batch)
+                with naming_bad_labels(batch, self.metrics):
+                    parts = self.train_step(batch)
                 self.global_step += 1
                 self.nonfinite.observe(epoch + 1, self.global_step, parts)
                 for k, v in parts.items():
