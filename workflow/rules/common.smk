@@ -58,6 +58,8 @@ def _sweep_experiments(sweep_name, sweep):
             "config": sweep["config"],
             "overrides": list(sweep["overrides"]) + grid_overrides,
             "resources": deepcopy(sweep["resources"]),
+            "sweep": sweep_name,
+            "point": dict(zip(labels, row)),
         }
 
 
@@ -122,6 +124,7 @@ def curve_plot(exp):
     """The learning-curve plot of one experiment, registered for the HTML report."""
     return report(
         f"results/plots/curves/{exp}.png",
+        caption="../report/curves.rst",
         category="Learning curves",
         labels={"experiment": exp},
     )
@@ -129,6 +132,33 @@ def curve_plot(exp):
 
 def curve_plots():
     return [curve_plot(exp) for exp in EXPERIMENTS]
+
+
+def sweep_plot(name):
+    """The chart of one sweep: the ranking metric against the swept value."""
+    return report(
+        f"results/plots/sweeps/{name}.png",
+        caption="../report/sweep.rst",
+        category="Sweeps",
+        labels={"sweep": name},
+    )
+
+
+def sweep_plots():
+    return [sweep_plot(name) for name in config["sweeps"]]
+
+
+def sweep_points():
+    """For the report: each sweep's grid keys (as in the experiment names) and the
+    point of every experiment it made."""
+    sweeps = {
+        name: {"keys": [k.rsplit(".", 1)[-1] for k in sweep["grid"]], "points": {}}
+        for name, sweep in config["sweeps"].items()
+    }
+    for exp, spec in EXPERIMENTS.items():
+        if "point" in spec:
+            sweeps[spec["sweep"]]["points"][exp] = spec["point"]
+    return sweeps
 
 
 def report_labels():
@@ -145,8 +175,10 @@ def all_targets():
         *results("results/{exp}/predictions.csv"),
         "results/leaderboard.csv",
         "results/leaderboard.md",
+        "results/leaderboard.html",
         *results("results/plots/curves/{exp}.png"),
         "results/plots/metrics.png",
+        *expand("results/plots/sweeps/{sweep}.png", sweep=config["sweeps"]),
     ]
 
 
