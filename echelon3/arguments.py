@@ -28,15 +28,24 @@ _NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a s
 
 
 def signature(target: Callable) -> inspect.Signature | None:
-    """The signature with string annotations evaluated where possible; None if there is none."""
+    """The signature, each string annotation evaluated where it can be (one naming
+    something its module imports only for type checkers stays a string); None if
+    there is no signature."""
     try:
-        plain = inspect.signature(target)
+        sig = inspect.signature(target)
     except (TypeError, ValueError):
         return None
-    try:
-        return inspect.signature(target, eval_str=True)
-    except Exception:  # a string annotation naming something not importable here
-        return plain
+    function = inspect.unwrap(target.__init__ if isinstance(target, type) else target)
+    namespace = getattr(function, "__globals__", {})
+    params = []
+    for param in sig.parameters.values():
+        if isinstance(param.annotation, str):
+            try:
+                param = param.replace(annotation=eval(param.annotation, namespace))  # noqa: S307
+            except Exception:
+                pass
+        params.append(param)
+    return sig.replace(parameters=params)
 
 
 def _from_text(annotation: type) -> bool:

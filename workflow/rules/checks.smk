@@ -73,7 +73,8 @@ def check_config_files(cfg):
                 raise config_error(
                     f"{section}.{name}.config",
                     f"no file {folder / spec['config']}.yaml"
-                    f"{_did_you_mean(spec['config'], names)}",
+                    f"{_did_you_mean(spec['config'], names)}; "
+                    f"configs in {folder}: {', '.join(names) or 'none'}",
                 )
 
 

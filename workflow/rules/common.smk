@@ -1,4 +1,5 @@
-"""Helpers shared by the rules: the experiment table, inputs, params, resources."""
+"""Helpers shared by the rules: the experiment table, inputs, params, resources.
+config_error comes from checks.smk, included before."""
 
 import itertools
 import keyword
@@ -9,7 +10,6 @@ from pathlib import Path
 
 import pandas as pd
 import yaml
-from snakemake.exceptions import WorkflowError
 from snakemake.utils import Paramspace
 
 CONFIG_DIR = Path(config["config_dir"])
@@ -39,14 +39,15 @@ def _sweep_experiments(sweep_name, sweep):
     labels = [key.rsplit(".", 1)[-1] for key in keys]
     seen = {}
     for key, label in zip(keys, labels):
-        where = f"config: sweeps.{sweep_name}.grid"
+        where = f"sweeps.{sweep_name}.grid"
         if label in seen:
-            raise WorkflowError(
-                f"{where}: '{seen[label]}' and '{key}' both end in '{label}', "
-                "which names the experiments; sweep them in two sweeps"
+            raise config_error(
+                where,
+                f"'{seen[label]}' and '{key}' both end in '{label}', "
+                "which names the experiments; sweep them in two sweeps",
             )
         if keyword.iskeyword(label):
-            raise WorkflowError(f"{where}: '{key}' ends in a Python keyword")
+            raise config_error(where, f"'{key}' ends in a Python keyword")
         seen[label] = key
     points = pd.DataFrame(
         list(itertools.product(*sweep["grid"].values())), columns=labels, dtype=object
@@ -68,14 +69,16 @@ def _check_launcher(where, resources):
     if resources["launcher"] != "srun":
         return
     if resources["gpus"] < 1:
-        raise WorkflowError(
-            f"config: {where}.resources.launcher: srun starts one task per GPU; "
-            "set resources.gpus to 1 or more, or drop the launcher"
+        raise config_error(
+            f"{where}.resources.launcher",
+            "srun starts one task per GPU; "
+            "set resources.gpus to 1 or more, or drop the launcher",
         )
     if resources["nodes"] > 1:
-        raise WorkflowError(
-            f"config: {where}.resources.launcher: srun runs on one node; "
-            "set resources.nodes to 1, or drop the launcher (torchrun across nodes)"
+        raise config_error(
+            f"{where}.resources.launcher",
+            "srun runs on one node; "
+            "set resources.nodes to 1, or drop the launcher (torchrun across nodes)",
         )
 
 
@@ -90,17 +93,18 @@ def _experiments(cfg):
     }
     for sweep_name, sweep in cfg["sweeps"].items():
         if sweep_name in experiments:
-            raise WorkflowError(
-                f"config: sweeps.{sweep_name}: an experiment has the same name; "
-                "rename one of them"
+            raise config_error(
+                f"sweeps.{sweep_name}",
+                "an experiment has the same name; rename one of them",
             )
         experiments.update(_sweep_experiments(sweep_name, sweep))
     for section in ("experiments", "sweeps"):
         for name, spec in cfg[section].items():
             _check_launcher(f"{section}.{name}", spec["resources"])
     if not experiments:
-        raise WorkflowError(
-            "config: no experiments; list at least one under 'experiments:' or 'sweeps:'"
+        raise config_error(
+            "experiments",
+            "none listed; list at least one under 'experiments:' or 'sweeps:'",
         )
     return experiments
 

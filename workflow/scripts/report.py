@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 import pandas as pd
-from report_plots import plot_curves, plot_metrics, plot_sweep
+from report_plots import draw_curves, draw_metrics, draw_sweep, save
 
 log = logging.getLogger("report")
 
@@ -118,10 +118,10 @@ def main(smk):
     Path(smk.output.html).write_text(html_table(table, metric, higher))
     for name, history, summary, png in zip(experiments, smk.params.histories,
                                            smk.input.summaries, smk.output.curves):
-        plot_curves(name, read_history(history), best_epoch(summary), png)
-    plot_metrics(table, metric_columns, metric, higher, smk.output.bars)
+        save(draw_curves(name, read_history(history), best_epoch(summary)), png)
+    save(draw_metrics(table, metric_columns, metric, higher), smk.output.bars)
     for (name, sweep), png in zip(smk.params.sweeps.items(), smk.output.sweeps):
-        plot_sweep(name, sweep, table, metric, higher, png)
+        save(draw_sweep(name, sweep, table, metric, higher), png)
     log.info("ranked %d experiments by %s", len(table), metric)
 
 

@@ -51,7 +51,13 @@ def _finish_axes(ax, title, ylabel):
         ax.legend(fontsize="small")
 
 
-def plot_curves(name, records, best_epoch, path):
+def save(fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def draw_curves(name, records, best_epoch):
     """Losses (train, running mean per logged step; validation per epoch) on the left,
     validation metrics on the right, each on its own labelled axis; the epoch of
     best.tar marked on both."""
@@ -74,9 +80,7 @@ def plot_curves(name, records, best_epoch, path):
     _finish_axes(loss_ax, "loss", "loss")
     _finish_axes(metric_ax, "validation metrics", "metric value")
     fig.suptitle(f"{name}: learning curves")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def _span(values):
@@ -86,7 +90,7 @@ def _span(values):
     return low - pad, high + pad
 
 
-def plot_metrics(table, metric_columns, metric, higher_is_better, path):
+def draw_metrics(table, metric_columns, metric, higher_is_better):
     """One dot panel per metric, experiments in leaderboard order (best on top), the
     axis spanning the values; the ranking metric's panel says so and which way is better."""
     n = max(len(metric_columns), 1)
@@ -113,16 +117,14 @@ def plot_metrics(table, metric_columns, metric, higher_is_better, path):
     for ax in axes[0][1:]:
         ax.tick_params(labelleft=False)
     fig.suptitle("test metrics by experiment (metrics.json)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def _numeric(values):
     return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
 
 
-def plot_sweep(name, sweep, table, metric, higher_is_better, path):
+def draw_sweep(name, sweep, table, metric, higher_is_better):
     """The ranking metric against the sweep's first grid key; one line per
     combination of the other keys; the best point starred."""
     keys = sweep["keys"]
@@ -158,6 +160,4 @@ def plot_sweep(name, sweep, table, metric, higher_is_better, path):
            title=f"sweep {name}: {metric} by {x_key}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
