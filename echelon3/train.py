@@ -22,6 +22,7 @@ import torch
 from omegaconf import OmegaConf
 
 from echelon3 import __version__, build
+from echelon3 import lock as run_lock
 from echelon3.checkpoint import (BEST, KEPT_BEST, CheckpointManager, atomic_write_text,
                                  load_weights)
 from echelon3.config import RunConfig, changed_keys, require
@@ -46,7 +47,8 @@ VOLATILE = ("device", "gpus", "nproc", "device_ids", "mlops", "evaluator", "runn
             "on_config_change", "trainer.config.epochs", "trainer.config.precision",
             "trainer.config.tf32", "trainer.config.cudnn_benchmark", "trainer.config.compile",
             "trainer.config.compile_mode", "trainer.config.log_every_n_steps",
-            "trainer.config.progress_bar", "target.path", "target.checkpoints_to_keep")
+            "trainer.config.progress_bar", "trainer.config.nan_policy", "target.path",
+            "target.checkpoints_to_keep")
 _LOADER_VOLATILE = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
 ON_CHANGE = ("error", "restart", "resume")
 
@@ -169,6 +171,7 @@ def assemble_and_fit(rc: RunConfig, device, launcher):
     seed = int(cfg.get("seed", 0))
     seed_everything(seed)
     checkpoints = build.build_target(cfg, rc.config_dir)
+    checkpoints.remove_leftovers()
     fp = fingerprint(cfg)
     path, state = find_resume_state(cfg, checkpoints, fp) or (None, None)
 
@@ -214,6 +217,11 @@ def assemble_and_fit(rc: RunConfig, device, launcher):
 
 
 def train(rc: RunConfig, device, launcher) -> None:
+    with run_lock.for_worker(rc.cfg):
+        _train(rc, device, launcher)
+
+
+def _train(rc: RunConfig, device, launcher) -> None:
     """Assemble and fit; close with a summary, or take back a run folder that never
     reached its first checkpoint."""
     started = time.time()

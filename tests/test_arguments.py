@@ -84,4 +84,4 @@ def test_a_bad_trainer_argument_stops_train_before_data_or_model_is_built(
     assert echelon3("train", tmp_path, "trainer.config.epochs=abc") == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == \
         "echelon3: error: trainer.config.epochs: expected an integer, got 'abc'"
-    assert built == [] and not target(tmp_path).exists()
+    assert built == [] and not (target(tmp_path) / "config.yaml").exists()

@@ -25,6 +25,7 @@ from echelon3.dist import (all_gather_object, all_reduce_sum_, get_rank, get_wor
 from echelon3.errors import ConfigError
 from echelon3.evaluate import evaluate_sets, metric_name, split_batch, to_device, weighted_loss
 from echelon3.runtime import interrupted
+from echelon3.trainers.nonfinite import NonFiniteGuard
 from echelon3.trainers.selection import KeepBest
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,8 @@ class Trainer:
                  times_to_validate_per_epoch: int = 1,
                  keep_best_on: Any = None, high_is_better: bool = True,
                  metrics_on: str | Sequence[str] | None = None, float_labels: bool = False,
-                 log_every_n_steps: int = 10, progress_bar: bool = True):
+                 log_every_n_steps: int = 10, progress_bar: bool = True,
+                 nan_policy: str = "stop"):
         if int(epochs) < 1 or int(times_to_validate_per_epoch) < 1:
             raise ValueError("epochs and times_to_validate_per_epoch must be at least 1")
         self.net, self.losses, self.optimizer = net, losses, optimizer
@@ -68,6 +70,7 @@ class Trainer:
         self.progress_bar = progress_bar and is_main()
         self.extra_state = dict(extra_state or {})
         self.closure = is_closure_optimizer(optimizer)
+        self.nonfinite = NonFiniteGuard(nan_policy, self.closure)
         sets = [metrics_on] if isinstance(metrics_on, str) else list(metrics_on or test_loaders)
         unknown = [s for s in sets if s not in test_loaders]
         if unknown:
@@ -140,6 +143,8 @@ class Trainer:
             self.precision.step(self.optimizer, closure)
         else:
             closure()
+            if self.nonfinite.skip(recorded["loss"]):
+                return {}
             self.precision.step(self.optimizer)
         return {k: v.detach() for k, v in recorded.items()}
 
@@ -155,6 +160,7 @@ class Trainer:
 
     def validate(self, epoch: int) -> None:
         """Validate during ``epoch`` (1-based, the epoch in progress or just finished)."""
+        self.nonfinite.check()
         metrics = self.evaluate()
         self.last_metrics = metrics
         best = self.keep_best.is_better(metrics, self.best_metrics)
@@ -170,6 +176,7 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def _log_train(self, sums: dict[str, torch.Tensor], count: int) -> None:
+        self.nonfinite.check()
         names = sorted(sums)
         values = torch.stack([sums[n].float() for n in names]) / (count * get_world_size())
         all_reduce_sum_(values)
@@ -200,10 +207,11 @@ class Trainer:
                     raise KeyboardInterrupt
                 parts = self.train_step(batch)
                 self.global_step += 1
+                self.nonfinite.observe(epoch + 1, self.global_step, parts)
                 for k, v in parts.items():
                     sums[k] = sums.get(k, 0) + v
-                count += 1
-                if i % self.log_every == 0 or i == steps:
+                count += bool(parts)
+                if count and (i % self.log_every == 0 or i == steps):
                     self._log_train(sums, count)
                     bar.set_postfix(loss=f"{(sums['loss'] / count).item():.4f}")
                     sums, count = {}, 0
@@ -212,7 +220,9 @@ class Trainer:
             if self.scheduler is not None:
                 self.scheduler.step()
             self.epoch = epoch + 1
+            self.nonfinite.end_epoch(self.epoch)
             self.validate(self.epoch)
             self.checkpoints.save_checkpoint(self.state_dict(), self.epoch)
         self.checkpoints.ensure_best()
+        self.nonfinite.end_fit()
         return self.best_metrics
