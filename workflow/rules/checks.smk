@@ -13,10 +13,6 @@ from snakemake.utils import validate
 CONFIG_FILE = ", ".join(map(str, workflow.configfiles)) or "config"
 
 
-def config_error(key, message):
-    return WorkflowError(f"{CONFIG_FILE}: {key}: {message}")
-
-
 def _did_you_mean(word, choices):
     close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
     return f" (did you mean '{close[0]}'?)" if close else ""
@@ -57,7 +53,8 @@ def check_schema(cfg, schema_file):
     validator = jsonschema.validators.validator_for(schema)(schema)
     error = jsonschema.exceptions.best_match(validator.iter_errors(cfg))
     if error is not None:
-        raise config_error(*_schema_problem(error))
+        key, problem = _schema_problem(error)
+        raise WorkflowError(f"{CONFIG_FILE}: {key}: {problem}")
     validate(cfg, schema_file)
 
 
@@ -65,13 +62,13 @@ def check_config_files(cfg):
     """Every experiment and sweep names a config file that exists."""
     folder = Path(cfg["config_dir"])
     if not folder.is_dir():
-        raise config_error("config_dir", f"no folder {folder}")
+        raise WorkflowError(f"{CONFIG_FILE}: config_dir: no folder {folder}")
     names = sorted(p.stem for p in folder.glob("*.yaml"))
     for section in ("experiments", "sweeps"):
         for name, spec in cfg[section].items():
             if not (folder / f"{spec['config']}.yaml").is_file():
-                raise config_error(
-                    f"{section}.{name}.config",
+                raise WorkflowError(
+                    f"{CONFIG_FILE}: {section}.{name}.config: "
                     f"no file {folder / spec['config']}.yaml"
                     f"{_did_you_mean(spec['config'], names)}; "
                     f"configs in {folder}: {', '.join(names) or 'none'}",
@@ -91,14 +88,16 @@ def check_sweep_keys(cfg):
                 cfg["config_dir"], sweep["config"], sweep["overrides"]
             ).cfg
         except UserError as e:
-            raise config_error(f"sweeps.{name}", f"{sweep['config']}: {e}") from None
+            raise WorkflowError(
+                f"{CONFIG_FILE}: sweeps.{name}: {sweep['config']}: {e}"
+            ) from None
         leaves = [
             key for key, _ in _leaves(OmegaConf.to_container(composed, resolve=False))
         ]
         for key in sweep["grid"]:
             if OmegaConf.select(composed, key, default=_MISSING) is _MISSING:
-                raise config_error(
-                    f"sweeps.{name}.grid.{key}",
+                raise WorkflowError(
+                    f"{CONFIG_FILE}: sweeps.{name}.grid.{key}: "
                     f"{sweep['config']} has no key '{key}'"
                     f"{_did_you_mean(key, leaves)}; add it with an override "
                     f"'+{key}=...' in sweeps.{name}.overrides if it is new",

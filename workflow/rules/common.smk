@@ -1,5 +1,5 @@
 """Helpers shared by the rules: the experiment table, inputs, params, resources.
-config_error comes from checks.smk, included before."""
+CONFIG_FILE comes from checks.smk, included before."""
 
 import itertools
 import keyword
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 import yaml
+from snakemake.exceptions import WorkflowError
 from snakemake.utils import Paramspace
 
 CONFIG_DIR = Path(config["config_dir"])
@@ -39,15 +40,14 @@ def _sweep_experiments(sweep_name, sweep):
     labels = [key.rsplit(".", 1)[-1] for key in keys]
     seen = {}
     for key, label in zip(keys, labels):
-        where = f"sweeps.{sweep_name}.grid"
+        where = f"{CONFIG_FILE}: sweeps.{sweep_name}.grid"
         if label in seen:
-            raise config_error(
-                where,
-                f"'{seen[label]}' and '{key}' both end in '{label}', "
+            raise WorkflowError(
+                f"{where}: '{seen[label]}' and '{key}' both end in '{label}', "
                 "which names the experiments; sweep them in two sweeps",
             )
         if keyword.iskeyword(label):
-            raise config_error(where, f"'{key}' ends in a Python keyword")
+            raise WorkflowError(f"{where}: '{key}' ends in a Python keyword")
         seen[label] = key
     points = pd.DataFrame(
         list(itertools.product(*sweep["grid"].values())), columns=labels, dtype=object
@@ -69,15 +69,13 @@ def _check_launcher(where, resources):
     if resources["launcher"] != "srun":
         return
     if resources["gpus"] < 1:
-        raise config_error(
-            f"{where}.resources.launcher",
-            "srun starts one task per GPU; "
+        raise WorkflowError(
+            f"{CONFIG_FILE}: {where}.resources.launcher: srun starts one task per GPU; "
             "set resources.gpus to 1 or more, or drop the launcher",
         )
     if resources["nodes"] > 1:
-        raise config_error(
-            f"{where}.resources.launcher",
-            "srun runs on one node; "
+        raise WorkflowError(
+            f"{CONFIG_FILE}: {where}.resources.launcher: srun runs on one node; "
             "set resources.nodes to 1, or drop the launcher (torchrun across nodes)",
         )
 
@@ -93,8 +91,8 @@ def _experiments(cfg):
     }
     for sweep_name, sweep in cfg["sweeps"].items():
         if sweep_name in experiments:
-            raise config_error(
-                f"sweeps.{sweep_name}",
+            raise WorkflowError(
+                f"{CONFIG_FILE}: sweeps.{sweep_name}: "
                 "an experiment has the same name; rename one of them",
             )
         experiments.update(_sweep_experiments(sweep_name, sweep))
@@ -102,9 +100,9 @@ def _experiments(cfg):
         for name, spec in cfg[section].items():
             _check_launcher(f"{section}.{name}", spec["resources"])
     if not experiments:
-        raise config_error(
-            "experiments",
-            "none listed; list at least one under 'experiments:' or 'sweeps:'",
+        raise WorkflowError(
+            f"{CONFIG_FILE}: experiments: none listed; "
+            "list at least one under 'experiments:' or 'sweeps:'"
         )
     return experiments
 
