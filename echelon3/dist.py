@@ -91,6 +91,7 @@ def _initialized() -> bool:
 
 
 def get_rank() -> int:
+    """This process's rank in the job: 0 in a single process."""
     if _initialized():
         import torch.distributed as dist
 
@@ -99,6 +100,7 @@ def get_rank() -> int:
 
 
 def get_world_size() -> int:
+    """Number of processes in the job: 1 in a single process."""
     if _initialized():
         import torch.distributed as dist
 
@@ -107,10 +109,12 @@ def get_world_size() -> int:
 
 
 def is_main() -> bool:
+    """True on rank 0, the rank that prints, logs and writes files."""
     return get_rank() == 0
 
 
 def barrier() -> None:
+    """Wait until every rank gets here; a no-op in a single process."""
     if _initialized():
         import torch.distributed as dist
 
@@ -118,6 +122,7 @@ def barrier() -> None:
 
 
 def all_reduce_sum_(*tensors) -> None:
+    """Sum each tensor in place across ranks; a no-op in a single process."""
     if _initialized():
         import torch.distributed as dist
 

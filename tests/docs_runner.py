@@ -11,7 +11,8 @@ run in page order inside a scratch copy of the project (``config/``,
   ``config/experiments/digits_cnn.yaml``, composed with ``--print-config`` and
   checked as the CLI's pre-flight does (every module imported, every type found,
   batch sizes divisible by the world size); a workflow config (``experiments:``)
-  is validated against ``workflow/schemas/config.schema.yaml``;
+  is validated against ``workflow/schemas/config.schema.yaml`` and the configs
+  it names must exist;
 - ``python``: executed.
 
 An HTML comment right above a block changes how it runs (invisible on the site)::
@@ -95,6 +96,9 @@ def _options(mark: str) -> dict[str, str]:
     if mark.startswith("skip"):
         if not mark.removeprefix("skip").strip():
             raise AssertionError("a skipped docs example must say why: <!-- test: skip because ... -->")
+        for path in re.findall(r"\b((?:tests|benchmarks|workflow)/[\w/.-]+\.py)\b", mark):
+            if not (REPO / path).is_file():
+                raise AssertionError(f"a skip reason names {path}, which does not exist")
         return {"skip": mark}
     options = {}
     for word in mark.split():
@@ -114,12 +118,15 @@ class PageRun:
         self.project = scratch_project(root)
         self.ran: list[str] = []
         self.skipped: list[str] = []
+        # Commands that write to the user's config folder (profiles install) write here.
+        self.private_env = {"XDG_CONFIG_HOME": str(root / "config-home")}
 
     def env(self, options: dict[str, str]) -> dict[str, str]:
         env = {**os.environ, "PATH": f"{self.root / 'bin'}{os.pathsep}{BIN}{os.pathsep}"
                f"{os.environ.get('PATH', '')}", "PYTHONUNBUFFERED": "1"}
         for name in ("RANK", "WORLD_SIZE", "DOCS_EPOCHS", "DOCS_DRY_RUN"):
             env.pop(name, None)
+        env.update(self.private_env)
         if "epochs" in options:
             env["DOCS_EPOCHS"] = options["epochs"]
         if "dry-run" in options:
@@ -170,14 +177,20 @@ class PageRun:
             args.append(f"trainer.config.epochs={options['epochs']}")
         if "dry-run" in options:
             args.append("--print-config")
-        cwd = os.getcwd()
+        cwd, saved = os.getcwd(), {k: os.environ.get(k) for k in self.private_env}
         os.chdir(self.project)
+        os.environ.update(self.private_env)
         try:
             return cli.main(args)
         except SystemExit as e:  # argparse
             return int(e.code or 0)
         finally:
             os.chdir(cwd)
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
     def python(self, example) -> None:
         options = self._begin(example)
@@ -198,7 +211,7 @@ class PageRun:
         data = yaml.safe_load(example.parsed)
         assert isinstance(data, dict), "a YAML example must be a mapping"
         if {"experiments", "sweeps", "leaderboard", "config_dir"} & set(data):
-            check_workflow_config(data)
+            check_workflow_config(data, self.project)
         elif "file" in options and not options["file"].endswith(".yaml"):
             raise AssertionError(f"{options['file']}: only .yaml files are composed")
         else:
@@ -226,11 +239,17 @@ def simple_echelon3(command: str) -> list[str] | None:
     return shlex.split(command, comments=True)
 
 
-def check_workflow_config(data: dict) -> None:
+def check_workflow_config(data: dict, project: Path) -> None:
+    """Valid for the workflow's schema, and every run it names has its config file."""
     import jsonschema
 
     schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
     jsonschema.validate(data, schema)
+    folder = project / data.get("config_dir", "config/experiments")
+    for section in ("experiments", "sweeps"):
+        for name, run in (data.get(section) or {}).items():
+            assert (folder / f"{run['config']}.yaml").is_file(), \
+                f"{section}.{name}: no {run['config']}.yaml in {folder}"
 
 
 def compose_and_check(project: Path, text: str, file: str | None) -> None:

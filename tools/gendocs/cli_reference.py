@@ -33,15 +33,25 @@ def _arguments(parser: argparse.ArgumentParser) -> list[str]:
     return rows
 
 
+def _commands(parser: argparse.ArgumentParser, prefix: str):
+    """(full name, parser) of every leaf command below ``parser``, depth first."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                if any(isinstance(a, argparse._SubParsersAction) for a in sub._actions):
+                    yield from _commands(sub, f"{prefix} {name}")
+                else:
+                    yield f"{prefix} {name}", sub
+
+
 def render() -> str:
     from echelon3.cli import parser
 
     os.environ["COLUMNS"] = "80"  # argparse wraps usage lines at the terminal's width
     top = parser()
     lines = ["```text", top.format_usage().strip(), "```", ""]
-    subparsers = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
-    for name, sub in subparsers.choices.items():
-        lines += [f"## `echelon3 {name}`", "", sub.description or "", "",
+    for name, sub in _commands(top, "echelon3"):
+        lines += [f"## `{name}`", "", sub.description or "", "",
                   "```text", sub.format_usage().strip(), "```", "", *_arguments(sub), ""]
         if sub.epilog:
             lines += ["```text", sub.epilog.strip(), "```", ""]

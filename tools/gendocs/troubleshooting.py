@@ -17,6 +17,7 @@ import yaml
 from tools.gendocs.error_sites import Site, module_summaries, scan
 
 EXPLANATIONS = Path(__file__).with_name("errors.yaml")
+PREFIX = "echelon3: error: "  # said once at the top of the page, not in every heading
 ANY_EXIT = "exit code 1, or 2 when every failed worker reported a user error"
 
 
@@ -107,7 +108,7 @@ def render(repo: Path) -> str:
             if summary:
                 lines += [summary.replace("``", "`").rstrip("."), ""]
         places = ", ".join(f"`{p}`" for p in site.places)
-        lines += [f"### `{site.text}`", "",
+        lines += [f"### `{site.text.removeprefix(PREFIX)}`", "",
                   f"*{_exit(site.exit_code)}; from {places}*", "",
                   f"**Cause.** {entry.cause}", "", f"**Fix.** {entry.fix}", ""]
     count = sum(1 for line in lines if line.startswith("### "))
