@@ -25,7 +25,8 @@ GPU_CONFIG = {"experiments": {
 
 TWO_NODE_SRUN = "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --gres=gpu:4 --cpus-per-task=32"
 TWO_NODE_TRAIN = (
-    f"{TWO_NODE_SRUN} torchrun --nnodes 2 --nproc_per_node 4 --rdzv_backend c10d"
+    "PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+    f" {TWO_NODE_SRUN} torchrun --nnodes 2 --nproc_per_node 4 --rdzv_backend c10d"
     " --rdzv_endpoint $(hostname):$((29500 + SLURM_JOB_ID % 20000)) --rdzv_id $SLURM_JOB_ID"
     " --no-python echelon3 train -cd config/experiments -cn digits_cnn on_config_change=restart"
     "   target.path=results/two_nodes > logs/train/two_nodes.log 2>&1"
@@ -110,6 +111,10 @@ def fake_slurm(folder: Path) -> Path:
     return folder
 
 
+# the profile's early warning before the wall time, for train jobs (preemption)
+SIGNAL = "--signal=USR1@120"
+
+
 def test_slurm_plugin_submits_the_expected_sbatch_options(tmp_path):
     wf = copy_workflow(tmp_path / "wf", GPU_CONFIG)
     fakes = fake_slurm(tmp_path / "bin")
@@ -127,15 +132,18 @@ def test_slurm_plugin_submits_the_expected_sbatch_options(tmp_path):
     for options in submitted.values():
         assert " -p gpu " in options and " -A my_account " in options
     assert submitted["cpu"].endswith(
-        "-t 30 --mem 4000 --nodes=1 --ntasks=1 --cpus-per-task=2 -D " + str(wf))
+        "-t 30 --mem 4000 --nodes=1 --ntasks=1 --cpus-per-task=2 " + SIGNAL + " -D "
+        + str(wf))
     assert submitted["one_node"].endswith(
-        "-t 120 --mem 16000 --nodes=1 --cpus-per-task=8 -D " + str(wf) + " --gpus=2")
+        "-t 120 --mem 16000 --nodes=1 --cpus-per-task=8 " + SIGNAL + " -D " + str(wf)
+        + " --gpus=2")
     assert submitted["two_nodes"].endswith(
-        "-t 600 --mem 64000 --nodes=2 --ntasks=2 --cpus-per-task=32 -D " + str(wf)
+        "-t 600 --mem 64000 --nodes=2 --ntasks=2 --cpus-per-task=32 " + SIGNAL + " -D " + str(wf)
         + " --gres=gpu:4")
     assert "--ntasks-per-gpu" not in submitted["two_nodes"] + submitted["one_node"]
     assert submitted["tasks"].endswith(
-        "-t 60 --mem 4000 --nodes=1 --ntasks-per-gpu=1 --ntasks=2 --cpus-per-task=4 -D "
+        "-t 60 --mem 4000 --nodes=1 --ntasks-per-gpu=1 --ntasks=2 --cpus-per-task=4 "
+        + SIGNAL + " -D "
         + str(wf) + " --gpus=2")
 
 

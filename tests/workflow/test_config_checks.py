@@ -48,8 +48,8 @@ def shipped_with(change) -> dict:
     ({"experiments": {"x": {"config": "digits_mlp", "resources": {"launcher": "srun"}}}},
      FILE + "experiments.x.resources.launcher: srun starts one task per GPU"),
     ({"sweeps": {"s": {"config": "digits_mlp", "grid": {"seed": [1]}, "resources":
-                       {"launcher": "srun", "gpus": 2, "nodes": 2}}}},
-     FILE + "sweeps.s.resources.launcher: srun runs on one node"),
+                       {"launcher": "srun", "gpus": 0, "nodes": 1}}}},
+     FILE + "sweeps.s.resources.launcher: srun starts one task per GPU (one per node on"),
     ({"experiments": {"x": {"config": "digits_mlp", "resources": {"launcher": "mpirun"}}}},
      "experiments.x.resources.launcher: 'mpirun' is not one of ['echelon3', 'srun']"),
     # a typo in a top-level key of the shipped file

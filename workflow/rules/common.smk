@@ -20,8 +20,16 @@ GPU_LOCK = os.path.relpath(Path(workflow.current_basedir) / "../scripts/gpu_lock
 
 # torchrun's rendezvous: the batch script of a SLURM job runs on the first node
 # of its allocation, so that node's name is the endpoint; the port is spread by
-# job id so that jobs sharing a node do not collide.
+# job id so that jobs sharing a node do not collide, and a resubmitted job (a
+# new id) never meets the remains of the last attempt.
 RDZV_ENDPOINT = "$(hostname):$((29500 + SLURM_JOB_ID % 20000))"
+
+# torchrun's agent catches these and passes them on to its workers, then waits
+# for them: SIGTERM (preemption, scancel, wall time) and the early-warning
+# signal the profile asks SLURM for (--signal=USR1@...). Without USR1 here the
+# agent would die of it. (PET_* is how torchrun reads its options from the
+# environment; an older torchrun ignores it.)
+TORCHRUN_SIGNALS = "PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
 # --- the experiment table -----------------------------------------------------
@@ -65,18 +73,14 @@ def _sweep_experiments(sweep_name, sweep):
 
 
 def _check_launcher(where, resources):
-    """`launcher: srun` makes one SLURM task per GPU of one node."""
+    """`launcher: srun` makes one SLURM task per GPU, or per node on the CPU."""
     if resources["launcher"] != "srun":
         return
-    if resources["gpus"] < 1:
+    if resources["gpus"] < 1 and resources["nodes"] < 2:
         raise WorkflowError(
-            f"{CONFIG_FILE}: {where}.resources.launcher: srun starts one task per GPU; "
-            "set resources.gpus to 1 or more, or drop the launcher",
-        )
-    if resources["nodes"] > 1:
-        raise WorkflowError(
-            f"{CONFIG_FILE}: {where}.resources.launcher: srun runs on one node; "
-            "set resources.nodes to 1, or drop the launcher (torchrun across nodes)",
+            f"{CONFIG_FILE}: {where}.resources.launcher: srun starts one task per GPU (one "
+            "per node on the CPU); set resources.gpus to 1 or more, or resources.nodes "
+            "to 2 or more, or drop the launcher"
         )
 
 
@@ -258,7 +262,7 @@ def launch(wildcards, resources):
         if res["launcher"] == "srun":
             return resources.mpi
         return (
-            f"{resources.mpi} torchrun --nnodes {res['nodes']}"
+            f"{TORCHRUN_SIGNALS} {resources.mpi} torchrun --nnodes {res['nodes']}"
             f" --nproc_per_node {max(res['gpus'], 1)}"
             f" --rdzv_backend c10d --rdzv_endpoint {RDZV_ENDPOINT}"
             " --rdzv_id $SLURM_JOB_ID --no-python"
@@ -293,8 +297,13 @@ def _multinode(wildcards):
 
 
 def _srun_tasks(wildcards):
-    """`launcher: srun`: one SLURM task per GPU (one node, checked above)."""
+    """`launcher: srun`: one SLURM task per rank."""
     return _res(wildcards)["launcher"] == "srun"
+
+
+def _ranks_per_node(wildcards):
+    """One rank per GPU, or one per node on the CPU."""
+    return max(_res(wildcards)["gpus"], 1)
 
 
 def nodes(wildcards):
@@ -309,7 +318,7 @@ def train_cpus_per_task(wildcards):
     """The node's cpus, split between the tasks when each GPU is a task."""
     res = _res(wildcards)
     if _srun_tasks(wildcards):
-        return max(1, res["cpus"] // res["gpus"])
+        return max(1, res["cpus"] // _ranks_per_node(wildcards))
     return res["cpus"]
 
 
@@ -342,9 +351,9 @@ def train_gres(wildcards):
 
 
 def train_tasks(wildcards):
-    """One task per GPU (`launcher: srun`), or one per node, each a torchrun."""
+    """One task per rank (`launcher: srun`), or one per node, each a torchrun."""
     if _srun_tasks(wildcards):
-        return _res(wildcards)["gpus"]
+        return _res(wildcards)["nodes"] * _ranks_per_node(wildcards)
     return _res(wildcards)["nodes"] if _multinode(wildcards) else None
 
 
@@ -359,7 +368,9 @@ def train_tasks_per_gpu(wildcards):
     """1 with `launcher: srun`: one task per GPU. Unset, the SLURM plugin would
     pass --ntasks-per-gpu=<tasks>, G tasks on every GPU, which leaves the job
     pending for good (reason PartitionConfig). Else as evaluate/run."""
-    return 1 if _srun_tasks(wildcards) else no_tasks_per_gpu(wildcards)
+    if _srun_tasks(wildcards) and _res(wildcards)["gpus"]:
+        return 1
+    return no_tasks_per_gpu(wildcards)
 
 
 def train_mpi(wildcards):
@@ -369,10 +380,13 @@ def train_mpi(wildcards):
     shape because the plugin clears SLURM_*."""
     res = _res(wildcards)
     if _srun_tasks(wildcards):
-        return (
-            f"srun --ntasks={res['gpus']} --gpus-per-task=1"
-            f" --cpus-per-task={train_cpus_per_task(wildcards)}"
-        )
+        per_node = _ranks_per_node(wildcards)
+        shape = f"srun --ntasks={res['nodes'] * per_node}"
+        if res["nodes"] > 1:
+            shape += f" --nodes={res['nodes']} --ntasks-per-node={per_node}"
+        if res["gpus"]:
+            shape += " --gpus-per-task=1"
+        return f"{shape} --cpus-per-task={train_cpus_per_task(wildcards)}"
     if res["nodes"] == 1:
         return None
     gres = f" --gres=gpu:{res['gpus']}" if res["gpus"] else ""
