@@ -67,19 +67,32 @@ def test_only_unloadable_checkpoints_stop_with_the_file_named(run, capfd, ledger
     ledger(PROMISE, trials=3, faults=3)
 
 
-def _report_module():
-    spec = importlib.util.spec_from_file_location("report", REPO / "workflow/scripts/report.py")
+@pytest.fixture
+def report(monkeypatch):
+    """The workflow's report script, imported as Snakemake's ``script:`` runs it."""
+    scripts = REPO / "workflow" / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))
+    spec = importlib.util.spec_from_file_location("report", scripts / "report.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_the_report_reads_a_torn_history(run, caplog, ledger):
+def test_the_report_reads_a_torn_history(run, report, caplog, ledger):
     out = target(run)
     text = (out / "history.jsonl").read_text()
     (out / "history.jsonl").write_text(text[: len(text) - 7])
     caplog.set_level(logging.WARNING)
-    records = _report_module().read_history(out / "history.jsonl")
+    records = report.read_history(out / "history.jsonl")
     assert len(records) == len(text.splitlines()) - 1
     assert any(f"{out / 'history.jsonl'}:" in r.getMessage() for r in caplog.records)
+    ledger(PROMISE, trials=1, faults=1)
+
+
+@pytest.mark.parametrize("text", ['{"accuracy": 0.9', '[1, 2]', '{"accuracy": "high"}'])
+def test_the_report_names_a_corrupt_metrics_file(tmp_path, report, ledger, text):
+    path = tmp_path / "metrics.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=f"^{path}: "):
+        report.read_metrics(path)
     ledger(PROMISE, trials=1, faults=1)
