@@ -277,7 +277,9 @@ def compose_and_check(project: Path, text: str, file: str | None) -> None:
         gpus, nproc = rc.cfg.get("gpus"), rc.cfg.get("nproc")
         world = len(gpus) if gpus is not None and not isinstance(gpus, int) else (nproc or 1)
         data.check_batch_sizes(rc.cfg.get("dataloaders"), world)
-        build.check_specs(rc.cfg, rc.config_dir)
+        from echelon3.train import RUNTIME_KEYS  # trainer.config keys train reads itself
+
+        build.check_specs(rc.cfg, rc.config_dir, consumed={"trainer": tuple(RUNTIME_KEYS)})
     finally:
         os.chdir(cwd)
     assert yaml.safe_load(out.getvalue()), "--print-config printed nothing"
