@@ -87,7 +87,7 @@ def _execute(args) -> None:
         sys.stdout.write(to_yaml(rc.cfg))
         return
     from echelon3 import data, lock, runtime
-    from echelon3.build import check_specs
+    from echelon3.preflight import check_specs
     from echelon3.sections import check_sections
 
     module, function, _ = TASKS[args.command]
