@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import subprocess
 import uuid
 from dataclasses import dataclass
@@ -153,6 +154,42 @@ def unwrap(model):
             return model
 
 
+# --------------------------------------------------------------------------- who runs where
+
+_hosts: list[tuple[str, str]] = []  # (host name, address) of every rank, in rank order
+# gloo: "Connection closed by peer [10.0.0.2]:4011", "Read error [10.0.0.2]:4011: Connection
+# reset by peer", "Write error ... Broken pipe"
+_PEER_GONE = re.compile(r"by peer|Broken pipe|Read error|Write error")
+_PEER_ADDRESS = re.compile(r"\[([^\]/\s]+)\]:\d+")
+
+
+def share_hosts() -> list[tuple[str, str]]:
+    """Every rank's host name and address (one all-gather at start-up)."""
+    host = socket.gethostname()
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        address = "?"
+    _hosts[:] = all_gather_object((host, address))
+    return list(_hosts)
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """'rank 1 on node2 (10.0.0.2)' when a collective failed because that peer's connection
+    closed (its process or node is gone); None for any other error."""
+    match = _PEER_ADDRESS.search(str(error))
+    if not match or not _PEER_GONE.search(str(error)):
+        return None
+    address = match.group(1)
+    ranks = [r for r, (_, a) in enumerate(_hosts) if a == address and r != get_rank()]
+    if not ranks:
+        return f"the rank at {address}"
+    host = _hosts[ranks[0]][0]
+    names = f"rank {ranks[0]}" if len(ranks) == 1 else \
+        f"one of ranks {', '.join(map(str, ranks))}"
+    return f"{names} on {host} ({address})"
+
+
 # --------------------------------------------------------------------------- process group
 
 def timeout() -> timedelta:
@@ -202,6 +239,17 @@ OOM_HINT = ("killed by SIGKILL, most likely the OOM-killer: lower "
             "dataloaders.*.config.num_workers / prefetch_factor (they are per rank)")
 
 
+PEER_LOST = "stopped: another rank failed (its message is above)"
+PEER_LOST_EXIT = 75  # a rank that stopped only because another one failed
+
+
+def peer_lost(e: BaseException) -> bool:
+    """True for the error a collective raises when another rank of the job has died."""
+    text = str(e)
+    return type(e).__name__ == "DistNetworkError" or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer"))
+
+
 def _describe_failures(err) -> tuple[str, int]:
     """Turn elastic's ChildFailedError into one readable message and an exit code.
 
@@ -211,8 +259,16 @@ def _describe_failures(err) -> tuple[str, int]:
     import signal
 
     lines, codes = [], set()
-    for rank, failure in sorted(err.failures.items()):
+    failures = sorted(err.failures.items())
+    if any(f.exitcode != PEER_LOST_EXIT for _, f in failures):
+        failures = [(r, f) for r, f in failures if f.exitcode != PEER_LOST_EXIT]
+    for rank, failure in failures:
         code = failure.exitcode
+        if code == PEER_LOST_EXIT:
+            codes.add(1)
+            lines.append(f"rank {rank} (pid {failure.pid}) lost its peers; the rank that "
+                         "failed first left no message (killed?)")
+            continue
         if code in (130, -signal.SIGINT):
             codes.add(130)
             continue
