@@ -149,25 +149,37 @@ class Trainer:
         inputs, target = split_batch(batch)
         if self.move:
             inputs, target = to_device((inputs, target), self.device)
+        if self.closure:
+            return self._closure_step(inputs, target)
+        self.optimizer.zero_grad(set_to_none=True)
+        total, parts = self._loss(inputs, target)
+        self.precision.backward(total)
+        if self.nonfinite.skip(total):
+            return {}
+        self.precision.step(self.optimizer)
+        parts["loss"] = total
+        for name in parts:  # in place: no new containers per step for the collector to scan
+            parts[name] = parts[name].detach()
+        return parts
+
+    def _loss(self, inputs, target):
+        with self.precision.autocast():
+            return weighted_loss(self.losses, self.net(inputs), target, self.float_labels)
+
+    def _closure_step(self, inputs, target) -> dict[str, torch.Tensor]:
+        """SAMOptimizer / LBFGS: the optimizer calls the closure, maybe several times; the
+        step reports the losses of its first call."""
         recorded: dict[str, torch.Tensor] = {}
 
         def closure():
             self.optimizer.zero_grad(set_to_none=True)
-            with self.precision.autocast():
-                total, parts = weighted_loss(self.losses, self.net(inputs), target,
-                                             self.float_labels)
+            total, parts = self._loss(inputs, target)
             self.precision.backward(total)
             if not recorded:
                 recorded.update(parts, loss=total)
             return total
 
-        if self.closure:
-            self.precision.step(self.optimizer, closure)
-        else:
-            closure()
-            if self.nonfinite.skip(recorded["loss"]):
-                return {}
-            self.precision.step(self.optimizer)
+        self.precision.step(self.optimizer, closure)
         return {k: v.detach() for k, v in recorded.items()}
 
     # ------------------------------------------------------------------ validation
