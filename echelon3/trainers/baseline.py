@@ -2,7 +2,10 @@
 
 Per step: zero grads, forward under the precision's autocast, the weighted sum
 of the configured losses, backward, optimizer step (closure optimizers get a
-closure). The scheduler steps once per epoch. Validation runs
+closure). With ``grad_accum_steps: N`` the optimizer steps every N micro-batches
+(``trainers/accumulation.py``); ``global_step`` counts optimizer steps. The
+scheduler steps once per epoch. ``profile`` runs torch.profiler over a window of
+batches (``echelon3/profiling.py``). Validation runs
 ``times_to_validate_per_epoch`` times per epoch on every rank over its shard,
 through the network without its DDP wrapper; metrics reduce across ranks, so
 keep-best decides the same on every rank. Only rank 0 writes (checkpoint
@@ -24,7 +27,9 @@ from echelon3.dist import (all_gather_object, all_reduce_sum_, get_rank, get_wor
                            is_main, unwrap)
 from echelon3.errors import ConfigError
 from echelon3.evaluate import evaluate_sets, metric_name, split_batch, to_device, weighted_loss
+from echelon3.profiling import Profiler
 from echelon3.runtime import interrupted
+from echelon3.trainers.accumulation import Accumulation
 from echelon3.trainers.selection import KeepBest
 
 log = logging.getLogger(__name__)
@@ -56,7 +61,8 @@ class Trainer:
                  times_to_validate_per_epoch: int = 1,
                  keep_best_on: Any = None, high_is_better: bool = True,
                  metrics_on: str | Sequence[str] | None = None, float_labels: bool = False,
-                 log_every_n_steps: int = 10, progress_bar: bool = True):
+                 log_every_n_steps: int = 10, progress_bar: bool = True,
+                 grad_accum_steps: int = 1, profile: Mapping | None = None):
         if int(epochs) < 1 or int(times_to_validate_per_epoch) < 1:
             raise ValueError("epochs and times_to_validate_per_epoch must be at least 1")
         self.net, self.losses, self.optimizer = net, losses, optimizer
@@ -68,6 +74,8 @@ class Trainer:
         self.progress_bar = progress_bar and is_main()
         self.extra_state = dict(extra_state or {})
         self.closure = is_closure_optimizer(optimizer)
+        self.accum = Accumulation(grad_accum_steps, self.closure)
+        self.profiler = Profiler(profile, checkpoints.path)
         sets = [metrics_on] if isinstance(metrics_on, str) else list(metrics_on or test_loaders)
         unknown = [s for s in sets if s not in test_loaders]
         if unknown:
@@ -104,6 +112,7 @@ class Trainer:
             "best_metrics": dict(self.best_metrics) if self.best_metrics else None,
             "rng_state": rng_state(),  # rank 0's; every rank's below, for exact DDP resume
             "rng_states": all_gather_object(rng_state()) if get_world_size() > 1 else None,
+            **self.accum.state_dict(self._params()),
             **self.extra_state,
         }
 
@@ -119,28 +128,42 @@ class Trainer:
         per_rank = state.get("rng_states")
         same_world = per_rank is not None and len(per_rank) == get_world_size()
         self._rng = per_rank[get_rank()] if same_world else state.get("rng_state")
+        self.accum.load_state_dict(state, self._params())
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     # ------------------------------------------------------------------ one step
 
-    def train_step(self, batch) -> dict[str, float]:
+    def train_step(self, batch, scale: float = 1.0, last: bool = True) -> dict[str, float]:
+        """One micro-batch: its loss x ``scale`` backward; the optimizer steps when ``last``."""
         inputs, target = to_device(split_batch(batch), self.device)
         recorded: dict[str, torch.Tensor] = {}
 
-        def closure():
-            self.optimizer.zero_grad(set_to_none=True)
-            with self.precision.autocast():
-                total, parts = weighted_loss(self.losses, self.net(inputs), target,
-                                             self.float_labels)
-            self.precision.backward(total)
+        def forward_backward():
+            with self.profiler.label("compute"):
+                with self.precision.autocast():
+                    total, parts = weighted_loss(self.losses, self.net(inputs), target,
+                                                 self.float_labels)
+                self.precision.backward(total * scale)
             if not recorded:
                 recorded.update(parts, loss=total)
             return total
 
+        def closure():
+            self.optimizer.zero_grad(set_to_none=True)
+            return forward_backward()
+
         if self.closure:
-            self.precision.step(self.optimizer, closure)
+            with self.profiler.label("optimizer"):
+                self.precision.step(self.optimizer, closure)
         else:
-            closure()
-            self.precision.step(self.optimizer)
+            with self.accum.sync(self.net, last):
+                forward_backward()
+            if last:
+                with self.profiler.label("optimizer"):
+                    self.precision.step(self.optimizer)
+                    self.optimizer.zero_grad(set_to_none=True)
         return {k: v.detach() for k, v in recorded.items()}
 
     # ------------------------------------------------------------------ validation
@@ -188,6 +211,15 @@ class Trainer:
         steps = len(self.train_loader)
         checkpoints_at = {round(steps * (k + 1) / self.validations) for k in
                           range(self.validations - 1)}
+        self.profiler.start()
+        try:
+            self._epochs(steps, checkpoints_at)
+        finally:
+            self.profiler.stop()
+        self.checkpoints.ensure_best()
+        return self.best_metrics
+
+    def _epochs(self, steps: int, checkpoints_at: set[int]) -> None:
         for epoch in range(self.epoch, self.epochs):
             set_epoch(self.train_loader, epoch)
             self.net.train()
@@ -195,11 +227,12 @@ class Trainer:
             count = 0
             bar = tqdm(self.train_loader, desc=f"epoch {epoch + 1}/{self.epochs}",
                        disable=None if self.progress_bar else True, dynamic_ncols=True)
-            for i, batch in enumerate(bar, start=1):
+            for i, batch in enumerate(self.profiler.batches(bar), start=1):
                 if interrupted():
                     raise KeyboardInterrupt
-                parts = self.train_step(batch)
-                self.global_step += 1
+                scale, last = self.accum.window(i - 1, steps)
+                parts = self.train_step(batch, scale, last)
+                self.global_step += int(last)  # counts optimizer steps
                 for k, v in parts.items():
                     sums[k] = sums.get(k, 0) + v
                 count += 1
@@ -209,10 +242,12 @@ class Trainer:
                     sums, count = {}, 0
                 if i in checkpoints_at:
                     self.validate(epoch + 1)
+                if self.profiler.step():
+                    log.info("stopping after the profiled batches (%s.stop_after)",
+                             "trainer.config.profile")
+                    return
             if self.scheduler is not None:
                 self.scheduler.step()
             self.epoch = epoch + 1
             self.validate(self.epoch)
             self.checkpoints.save_checkpoint(self.state_dict(), self.epoch)
-        self.checkpoints.ensure_best()
-        return self.best_metrics

@@ -1,0 +1,123 @@
+"""Gradient accumulation: N micro-batches of B equal one batch of N x B, in 1 and 2 ranks.
+
+fp32, plain SGD, no dropout, batches in order: the only difference between the
+runs is the order of float additions, so weights agree to float tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from echelon3.errors import ConfigError
+from echelon3.trainers.accumulation import Accumulation
+from tests.conftest import run_cli
+from tests.helpers import blobs, echelon3, load, loader, make_trainer, write_config
+
+TOLERANCE = 1e-6  # |w_accumulated - w_big_batch|, float32 summation order
+
+
+def test_windows_cover_the_epoch_and_scale_by_their_size():
+    acc = Accumulation(3)
+    windows = [acc.window(i, 7) for i in range(7)]
+    assert [last for _, last in windows] == [False, False, True, False, False, True, True]
+    assert [scale for scale, _ in windows] == [1 / 3] * 6 + [1.0]  # the last window holds 1
+
+
+def test_accumulated_micro_batches_equal_one_big_batch(tmp_path):
+    inputs, labels = blobs(64)
+    runs = {}
+    for batch, accum in ((8, 4), (32, 1)):
+        trainer = make_trainer(tmp_path / f"b{batch}", epochs=2, grad_accum_steps=accum,
+                               train_loader=loader(inputs, labels, batch_size=batch))
+        trainer.fit()
+        assert trainer.global_step == 4  # optimizer steps: 2 per epoch in both runs
+        steps = [r["step"] for r in trainer.logger.split("val")]
+        assert steps == [2, 4]
+        runs[accum] = trainer.net.state_dict()
+    for key, value in runs[1].items():
+        assert torch.allclose(runs[4][key], value, rtol=0, atol=TOLERANCE), key
+    assert not torch.equal(runs[4]["weight"], make_trainer(tmp_path / "x").net.weight)
+
+
+def test_closure_optimizer_with_accumulation_is_an_error_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="trainer.config.grad_accum_steps: must be 1 with a "
+                                          "closure optimizer"):
+        make_trainer(tmp_path, optimizer=lambda p: torch.optim.LBFGS(p), grad_accum_steps=2)
+    with pytest.raises(ConfigError, match="trainer.config.grad_accum_steps: must be a positive"):
+        make_trainer(tmp_path, grad_accum_steps=0)
+
+
+def drive(trainer, batches, start: int, total: int) -> None:
+    """The loop's micro-steps ``start..`` over ``batches``."""
+    for i, batch in enumerate(batches, start):
+        scale, last = trainer.accum.window(i, total)
+        trainer.train_step(batch, scale, last)
+
+
+def test_resume_in_the_middle_of_a_window_is_exact(tmp_path):
+    batches = list(loader(*blobs(64), batch_size=8))  # 8 micro-batches: windows 0-3, 4-7
+    momentum = dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                    grad_accum_steps=4)
+    straight = make_trainer(tmp_path / "a", **momentum)
+    drive(straight, batches, 0, 8)
+
+    first = make_trainer(tmp_path / "b", **momentum)
+    drive(first, batches[:6], 0, 8)  # one step, then 2 micro-batches into the second window
+    torch.save(first.state_dict(), tmp_path / "mid.tar")
+    state = load(tmp_path / "mid.tar")
+    assert state["accum_pending"] == 2 and len(state["accum_grads"]) == 2
+
+    net = torch.nn.Linear(4, 3)
+    net.load_state_dict(state["model_state_dict"])
+    resumed = make_trainer(tmp_path / "c", net=net, resume_state=state, **momentum)
+    drive(resumed, batches[6:], 6, 8)
+    for key, value in straight.net.state_dict().items():
+        assert torch.equal(resumed.net.state_dict()[key], value), key
+    assert "accum_grads" not in resumed.state_dict()  # window closed: nothing to carry
+
+
+def test_two_ranks_accumulating_equal_one_process_with_the_whole_batch(tmp_path):
+    """2 ranks x 2 micro-batches of 8 (global 16) == 1 process, batch 32; DDP's static
+    graph on, so its first iteration syncs inside a window (an all-reduce more)."""
+    plain = {"net": {"config": {"dropout": 0.0}}, "optimizer": {"config": {"momentum": 0.0}},
+             "dataloaders": {"train": {"config": {"shuffle": False}}},
+             "trainer": {"config": {"epochs": 1, "precision": "fp32"}}}
+    ranks = tmp_path / "ranks"
+    write_config(ranks, {**plain, "dataloaders": {"train": {"config": {
+        "shuffle": False, "batch_size": 16}}}, "trainer": {"config": {
+            "epochs": 1, "precision": "fp32", "grad_accum_steps": 2, "ddp_static_graph": True,
+            "ddp_find_unused_parameters": False}}}, remove=("scheduler",))
+    result = run_cli(["train", "-cd", str(ranks), "-cn", "run", "nproc=2"], timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    single = tmp_path / "single"
+    write_config(single, plain, remove=("scheduler",))
+    assert echelon3("train", single) == 0
+    a = load(ranks / "out" / "checkpoint-1.tar")
+    b = load(single / "out" / "checkpoint-1.tar")
+    assert a["global_step"] == b["global_step"] == 192 // 32
+    for key, value in b["model_state_dict"].items():
+        assert torch.allclose(a["model_state_dict"][key], value, rtol=0, atol=TOLERANCE), key
+
+
+def test_ddp_all_reduces_once_per_window(tmp_path):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tests.helpers import single_rank_group
+
+    calls = []
+
+    def counting(state, bucket):
+        calls.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    with single_rank_group(tmp_path):
+        torch.manual_seed(0)
+        model = DistributedDataParallel(torch.nn.Linear(4, 3))
+        model.register_comm_hook(None, counting)
+        trainer = make_trainer(tmp_path, net=model, grad_accum_steps=3, epochs=1,
+                               train_loader=loader(*blobs(64), batch_size=8))
+        trainer.fit()
+    assert trainer.global_step == 3  # 8 micro-batches: windows of 3, 3 and 2
+    assert len(calls) == 3  # one bucket, all-reduced once per window
