@@ -10,9 +10,12 @@ validate(config, "workflow/schemas/config.schema.yaml")
 
 
 include: "workflow/rules/common.smk"
+include: "workflow/rules/chains.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/finetune.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/run.smk"
+include: "workflow/rules/export.smk"
 include: "workflow/rules/report.smk"
 
 

@@ -17,7 +17,8 @@ import traceback
 OTHER_TASKS_ONLY = {"train": ("evaluator", "runner", "export"),
                     "finetune": ("evaluator", "runner", "export"),
                     "evaluate": ("runner", "export"), "run": ("evaluator", "export"),
-                    "export": ("evaluator", "runner")}
+                    "export": ("evaluator", "runner", "dataloaders", "loss", "metrics", "optimizer",
+                               "scheduler", "trainer", "mlops")}
 
 TASKS = {
     "train": ("echelon3.train", "train", "train a network (resumes when target.path holds "

@@ -77,7 +77,7 @@ def planned(output: str) -> set[tuple[str, str | None]]:
     """(rule, experiment) of every job a dry run lists."""
     jobs = set()
     for rule, body in JOB.findall(output):
-        found = re.search(r"wildcards: exp=(\S+)", body)
+        found = re.search(r"wildcards: exp=([^,\s]+)", body)
         jobs.add((rule, found.group(1) if found else None))
     return jobs
 
@@ -85,6 +85,11 @@ def planned(output: str) -> set[tuple[str, str | None]]:
 def jobs_for(*experiments: str) -> set[tuple[str, str | None]]:
     per_exp = {(rule, exp) for exp in experiments for rule in ("train", "evaluate", "run")}
     return per_exp | {("report", None), ("all", None)}
+
+
+# The embedded default's chain: digits_mlp_ft finetunes digits_mlp's best.tar, then exports.
+CHAIN = {("finetune", "digits_mlp_ft"), ("evaluate", "digits_mlp_ft"), ("run", "digits_mlp_ft"),
+         ("export", "digits_mlp_ft")}
 
 
 def shell_commands(output: str) -> list[str]:
@@ -170,9 +175,9 @@ def test_rules_are_snakefmt_formatted():
 # --- config and schema -------------------------------------------------------------
 
 
-def test_default_config_plans_every_rule_for_both_digits_experiments(tmp_path):
+def test_default_config_plans_every_rule_for_the_digits_experiments(tmp_path):
     out = snakemake(copy_workflow(tmp_path), "-n")
-    assert planned(out) == jobs_for("digits_cnn", "digits_mlp")
+    assert planned(out) == jobs_for("digits_cnn", "digits_mlp") | CHAIN
 
 
 def test_schema_fills_in_defaults(tmp_path):
@@ -531,7 +536,7 @@ def copy_finished(finished: Path, dest: Path) -> Path:
 
 def test_default_run_makes_every_output(finished):
     experiments = yaml.safe_load((finished / "config/config.yaml").read_text())["experiments"]
-    assert set(experiments) == {"digits_cnn", "digits_mlp"}
+    assert set(experiments) == {"digits_cnn", "digits_mlp", "digits_mlp_ft"}
     for exp in experiments:
         folder = finished / "results" / exp
         assert (folder / "best.tar").is_file()
@@ -549,8 +554,8 @@ def test_default_run_makes_every_output(finished):
 def test_leaderboard_ranks_all_metrics_best_first(finished):
     with open(finished / "results/leaderboard.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [r["rank"] for r in rows] == ["1", "2"]
-    assert {r["experiment"] for r in rows} == {"digits_cnn", "digits_mlp"}
+    assert [r["rank"] for r in rows] == ["1", "2", "3"]
+    assert {r["experiment"] for r in rows} == {"digits_cnn", "digits_mlp", "digits_mlp_ft"}
     accuracies = [float(r["accuracy"]) for r in rows]
     assert accuracies == sorted(accuracies, reverse=True)
     for row in rows:
@@ -585,7 +590,7 @@ def test_editing_an_experiment_config_replans_only_its_runs(finished, tmp_path):
     wf2 = copy_finished(finished, tmp_path / "wf2")
     base = wf2 / "config/experiments/base/digits.yaml"
     base.write_text(base.read_text() + "\n# edited\n")
-    assert planned(snakemake(wf2, "-n")) == jobs_for("digits_cnn", "digits_mlp")
+    assert planned(snakemake(wf2, "-n")) == jobs_for("digits_cnn", "digits_mlp") | CHAIN
 
 
 def test_changed_resources_alone_do_not_rerun(finished, tmp_path):
@@ -604,7 +609,7 @@ def test_changed_override_retrains_exactly_that_experiment(finished, tmp_path):
     config["experiments"]["digits_mlp"]["overrides"] = ["optimizer.config.lr=0.02"]
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
     out = snakemake(wf, "-n")
-    assert planned(out) == jobs_for("digits_mlp")
+    assert planned(out) == jobs_for("digits_mlp") | CHAIN  # the child follows its parent
     assert "Params have changed since last execution" in out
 
     cnn_best = wf / "results/digits_cnn/best.tar"
@@ -616,6 +621,8 @@ def test_changed_override_retrains_exactly_that_experiment(finished, tmp_path):
     saved = yaml.safe_load((wf / "results/digits_mlp/config.yaml").read_text())
     assert saved["optimizer"]["config"]["lr"] == 0.02
     assert cnn_best.stat().st_mtime_ns == cnn_mtime
+    child = (wf / "logs/train/digits_mlp_ft.log").read_text()
+    assert "config changed since" in child and "starting over" in child  # new parent weights
     assert "Nothing to be done" in snakemake(wf, "-n")
 
 
@@ -675,3 +682,78 @@ def test_killed_train_job_resumes_from_its_last_checkpoint(tmp_path):
     epochs = {json.loads(line)["epoch"] for line in history if line.strip()}
     assert epochs == set(range(1, 61))
     assert "Nothing to be done" in snakemake(wf, "-n")
+
+
+# --- finetune and export edges -----------------------------------------------------------
+
+
+def job_body(output: str, rule: str, exp: str) -> str:
+    for name, body in JOB.findall(output):
+        if name == rule and re.search(rf"wildcards: exp={re.escape(exp)}\b", body):
+            return body
+    raise AssertionError(f"no {rule} job for {exp} in:\n{output[-3000:]}")
+
+
+def test_finetuned_sweep_and_exports_depend_on_their_parent(tmp_path):
+    wf = copy_workflow(tmp_path, {
+        "experiments": {"base": experiment("digits_mlp")},
+        "sweeps": {"ft": {"config": "digits_mlp_ft", "init_from": "base",
+                          "export": ["onnx", "safetensors"],
+                          "grid": {"optimizer.config.lr": [0.01, 0.02]}}}})
+    out = snakemake(wf, "-n", "-p")
+    points = ["ft/lr~0.01", "ft/lr~0.02"]
+    assert planned(out) == jobs_for("base") | {
+        (rule, p) for p in points for rule in ("finetune", "evaluate", "run", "export")}
+    for point in points:
+        body = job_body(out, "finetune", point)
+        assert re.search(r"input: .*results/base/best\.tar", body), body
+        (command,) = [c for c in shell_commands(out)
+                      if c.startswith("echelon3 train") and f"results/{point}'" in c]
+        assert "init_from.checkpoint=results/base/best.tar" in command
+        exports = [b for name, b in JOB.findall(out) if name == "export" and point in b]
+        assert {re.search(r"output: (\S+)", b).group(1) for b in exports} == {
+            f"results/{point}/model.onnx", f"results/{point}/model.safetensors"}
+
+
+@pytest.mark.parametrize("experiments, message", [
+    ({"a": {"config": "digits_mlp_ft", "init_from": "b"},
+      "b": {"config": "digits_mlp_ft", "init_from": "c"},
+      "c": {"config": "digits_mlp_ft", "init_from": "a"}},
+     "config: init_from makes a cycle: a -> b -> c -> a"),
+    ({"a": {"config": "digits_mlp_ft", "init_from": "a"}}, "init_from makes a cycle: a -> a"),
+    ({"a": {"config": "digits_mlp_ft", "init_from": "nope"}},
+     "config: experiments.a.init_from: no experiment named 'nope'"),
+])
+def test_init_from_cycles_and_unknown_parents_are_refused(tmp_path, experiments, message):
+    wf = copy_workflow(tmp_path, {"experiments": experiments})
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n"], cwd=wf, env=env_with(),
+                          text=True, capture_output=True, timeout=DRY_S)
+    assert proc.returncode != 0
+    assert message in proc.stdout + proc.stderr
+
+
+def test_default_chain_finetunes_after_its_parent_and_exports(finished):
+    parent = finished / "results/digits_mlp/best.tar"
+    child = finished / "results/digits_mlp_ft"
+    log = (finished / "logs/train/digits_mlp_ft.log").read_text()
+    assert "init_from results/digits_mlp/best.tar: loaded 4 tensors, skipped 0, missing 0" in log
+    assert "finetune: 8320 of 9610 parameter values frozen" in log  # layers.1: 64x128 + 128
+    assert parent.stat().st_mtime < (child / "config.yaml").stat().st_mtime  # DAG order
+    onnxruntime = pytest.importorskip("onnxruntime", reason="needs the 'export' extra")
+    session = onnxruntime.InferenceSession(str(child / "model.onnx"))
+    probabilities = session.run(None, {session.get_inputs()[0].name:
+                                       __import__("numpy").zeros((3, 1, 8, 8), "float32")})[0]
+    assert probabilities.shape == (3, 10) and abs(probabilities.sum(1) - 1).max() < 1e-5
+    with open(finished / "results/leaderboard.csv") as f:
+        models = {r["experiment"]: r["model"] for r in csv.DictReader(f)}
+    assert models == {"digits_cnn": "", "digits_mlp": "", "digits_mlp_ft":
+                      "results/digits_mlp_ft/model.onnx"}
+    assert "[model.onnx](digits_mlp_ft/model.onnx)" in (
+        finished / "results/leaderboard.md").read_text()
+
+
+def test_a_retrained_parent_reruns_its_child(finished, tmp_path):
+    wf = copy_finished(finished, tmp_path / "wf")
+    os.utime(wf / "results/digits_mlp/best.tar")  # as a new training run leaves it
+    out = snakemake(wf, "-n")
+    assert planned(out) == CHAIN | {("report", None), ("all", None)}

@@ -134,7 +134,11 @@ def curve_plots():
 def report_labels():
     """What the leaderboard shows of each experiment besides its metrics."""
     return {
-        name: {"config": spec["config"], "overrides": spec["overrides"]}
+        name: {
+            "config": spec["config"],
+            "overrides": spec["overrides"],
+            "model": exported_model(name),  # export.smk
+        }
         for name, spec in EXPERIMENTS.items()
     }
 
@@ -147,6 +151,7 @@ def all_targets():
         "results/leaderboard.md",
         *results("results/plots/curves/{exp}.png"),
         "results/plots/metrics.png",
+        *export_targets(),  # export.smk
     ]
 
 

@@ -10,6 +10,7 @@ rule report:
     input:
         metrics=results("results/{exp}/metrics.json"),
         best=results("results/{exp}/best.tar"),
+        models=export_targets(),
     output:
         csv=report(
             "results/leaderboard.csv",
