@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from echelon3.dist import is_main
-from echelon3.errors import CheckpointError
+from echelon3.errors import CheckpointError, write_error
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,11 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     A kill at any instant leaves either the old file or the new one, never a torn one.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise write_error(path, e) from e
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -78,14 +81,17 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
-    except BaseException:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        failed = write_error(path, e) if isinstance(e, Exception) else None
+        if failed is not None:
+            raise failed from e
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:
@@ -186,9 +192,27 @@ class CheckpointManager:
 
     def _publish_best(self) -> None:
         tmp = self.path / f".{BEST}.{os.getpid()}.link"
-        tmp.unlink(missing_ok=True)
-        os.link(self.path / KEPT_BEST, tmp)
-        os.replace(tmp, self.path / BEST)
+        try:
+            tmp.unlink(missing_ok=True)
+            os.link(self.path / KEPT_BEST, tmp)
+            os.replace(tmp, self.path / BEST)
+        except OSError as e:
+            raise write_error(self.path / BEST, e) from e
+
+    def remove_leftovers(self) -> list[Path]:
+        """Delete the temp files of writers killed mid-write (``.<name>.*.tmp``, ``.best.tar.*.link``).
+
+        Call it only while holding the run lock: then no live writer owns them.
+        """
+        if not is_main() or not self.path.is_dir():
+            return []
+        stale = [p for p in self.path.iterdir() if p.is_file() and p.name.startswith(".")
+                 and (p.name.endswith(".tmp") or p.name.startswith(f".{BEST}.") and
+                      p.name.endswith(".link"))]
+        for path in stale:
+            path.unlink(missing_ok=True)
+            log.info("removed %s, left by a run that was killed while writing it", path.name)
+        return stale
 
     def ensure_best(self) -> None:
         """Bring ``best.tar`` back if it was deleted while its twin survives."""

@@ -9,6 +9,7 @@ traceback to a user error or an interruption; the exit code stays the same.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import traceback
@@ -83,17 +84,21 @@ def _execute(args) -> None:
     if args.print_config:
         sys.stdout.write(to_yaml(rc.cfg))
         return
-    from echelon3 import data, runtime
+    from echelon3 import data, lock, runtime
     from echelon3.build import check_specs
 
     module, function, _ = TASKS[args.command]
     task = getattr(importlib.import_module(module), function)
 
+    held = contextlib.ExitStack()  # target.path's lock, claimed once the checks pass
+
     def validate(plan):
         data.check_batch_sizes(rc.cfg.get("dataloaders"), plan.world_size)
         check_specs(rc.cfg, rc.config_dir, skip=OTHER_TASKS_ONLY[args.command])
+        held.enter_context(lock.for_launch(args.command, rc.cfg))
 
-    runtime.launch(task, rc, validate)
+    with held:
+        runtime.launch(task, rc, validate)
 
 
 def _user_error(e: BaseException):

@@ -35,6 +35,29 @@ class CheckpointError(UserError):
     """A checkpoint file that cannot be used."""
 
 
+class WriteError(UserError):
+    """A file of the run could not be written: disk full, quota, read-only, permissions."""
+
+
+def os_error_in(e: BaseException) -> OSError | None:
+    """The OSError behind ``e`` (torch.save wraps a failed write in a RuntimeError)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def write_error(path, e: BaseException) -> WriteError | None:
+    """A :class:`WriteError` naming ``path`` and the system's reason, if ``e`` is an OSError."""
+    cause = os_error_in(e)
+    if cause is None:
+        return None
+    return WriteError(str(path), f"cannot write ({cause.strerror or cause})")
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """Return `` (did you mean 'x'?)`` for the closest choice, or ``''``.
 

@@ -22,6 +22,7 @@ import torch
 from omegaconf import OmegaConf
 
 from echelon3 import __version__, build
+from echelon3 import lock as run_lock
 from echelon3.checkpoint import (BEST, KEPT_BEST, CheckpointManager, atomic_write_text,
                                  load_weights)
 from echelon3.config import RunConfig, require
@@ -47,8 +48,8 @@ VOLATILE = ("device", "gpus", "nproc", "device_ids", "mlops", "evaluator", "runn
             "on_config_change", "trainer.config.epochs", "trainer.config.precision",
             "trainer.config.tf32", "trainer.config.cudnn_benchmark", "trainer.config.compile",
             "trainer.config.compile_mode", "trainer.config.log_every_n_steps",
-            "trainer.config.progress_bar", "trainer.config.profile", "target.path",
-            "target.checkpoints_to_keep", "export")
+            "trainer.config.progress_bar", "trainer.config.nan_policy", "trainer.config.profile",
+            "target.path", "target.checkpoints_to_keep", "export")
 _LOADER_VOLATILE = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
 ON_CHANGE = ("error", "restart", "resume")
 
@@ -135,6 +136,11 @@ def write_run_config(cfg, path: Path) -> None:
 
 
 def train(rc: RunConfig, device, launcher) -> None:
+    with run_lock.for_worker(rc.cfg):
+        _train(rc, device, launcher)
+
+
+def _train(rc: RunConfig, device, launcher) -> None:
     cfg = rc.cfg
     require(cfg, "net", "data", "dataloaders", "loss", "optimizer", "trainer", "target",
             task="train")
@@ -142,6 +148,7 @@ def train(rc: RunConfig, device, launcher) -> None:
     seed = int(cfg.get("seed", 0))
     seed_everything(seed)
     checkpoints = build.build_target(cfg, rc.config_dir)
+    checkpoints.remove_leftovers()
     warm = WarmStart(cfg, rc.config_dir)
     net = build.build_net(cfg, rc.config_dir)
     params = warm.apply(net)  # frozen parameters: out of the optimizer and of DDP

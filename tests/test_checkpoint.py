@@ -18,7 +18,7 @@ import torch
 
 from echelon3 import checkpoint as ckpt
 from echelon3.checkpoint import CheckpointManager, atomic_save, strip_prefixes
-from echelon3.errors import CheckpointError
+from echelon3.errors import CheckpointError, WriteError
 from tests.helpers import (assert_same_tensors, echelon3, history, load, make_trainer, target,
                            write_config)
 
@@ -88,7 +88,7 @@ def test_an_interrupted_write_leaves_the_old_file_intact(tmp_path, monkeypatch, 
     atomic_save(_state(1.0), path)
     old = path.read_bytes()
     monkeypatch.setattr(*patch)
-    with pytest.raises(OSError):
+    with pytest.raises(WriteError, match="checkpoint-3.tar: cannot write"):
         atomic_save(_state(2.0), path)
     monkeypatch.undo()
     assert path.read_bytes() == old, where
@@ -98,7 +98,7 @@ def test_an_interrupted_write_leaves_the_old_file_intact(tmp_path, monkeypatch, 
 
 def test_an_interrupted_first_write_leaves_no_file(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "save", _half_then_fail)
-    with pytest.raises(OSError):
+    with pytest.raises(WriteError):
         atomic_save(_state(1.0), tmp_path / "best.tar")
     assert list(tmp_path.iterdir()) == []
 

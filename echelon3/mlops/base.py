@@ -7,6 +7,9 @@ import logging
 import os
 from pathlib import Path
 
+from echelon3.checkpoint import atomic_write_text
+from echelon3.errors import write_error
+
 log = logging.getLogger(__name__)
 
 
@@ -52,19 +55,33 @@ class JsonlLogger(Logger):
                     kept.append(line)
             except json.JSONDecodeError:
                 continue  # a line torn by a kill
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, "".join(f"{line}\n" for line in kept))
 
     def log(self, record: dict) -> None:
-        if self._file is None:
-            self._file = open(self.path, "a", buffering=1)
-        self._file.write(json.dumps(record) + "\n")
+        try:
+            if self._file is None:
+                self._file = open(self.path, "a", buffering=1)
+            self._file.write(json.dumps(record) + "\n")
+        except OSError as e:
+            self._drop()
+            raise write_error(self.path, e) from e
+
+    def _drop(self) -> None:
+        file, self._file = self._file, None
+        if file is not None:
+            try:
+                file.close()
+            except OSError:
+                pass  # the write that failed already said why
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            try:
+                self._file.close()
+            except OSError as e:
+                raise write_error(self.path, e) from e
+            finally:
+                self._file = None
 
 
 class TensorBoardLogger(Logger):
@@ -84,18 +101,25 @@ class TensorBoardLogger(Logger):
         self._purge_step = step + 1
 
     def log(self, record: dict) -> None:
-        if self._writer is None:
-            self._writer = self._writer_class(log_dir=self.log_dir, purge_step=self._purge_step)
-        step = record.get("step", 0)
-        split = record.get("split", "train")
-        for name, value in record.items():
-            if name not in ("split", "epoch", "step") and isinstance(value, int | float):
-                self._writer.add_scalar(f"{split}/{name}", value, step)
+        try:
+            if self._writer is None:
+                self._writer = self._writer_class(log_dir=self.log_dir,
+                                                  purge_step=self._purge_step)
+            step = record.get("step", 0)
+            split = record.get("split", "train")
+            for name, value in record.items():
+                if name not in ("split", "epoch", "step") and isinstance(value, int | float):
+                    self._writer.add_scalar(f"{split}/{name}", value, step)
+        except OSError as e:
+            raise write_error(self.log_dir, e) from e
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except OSError as e:
+                raise write_error(self.log_dir, e) from e
 
 
 def tensorboard_available() -> bool:

@@ -56,6 +56,11 @@ class Accumulation:
             return contextlib.nullcontext()
         return net.no_sync()
 
+    def drop(self, optimizer) -> None:
+        """Forget the open window's gradients (a skipped non-finite micro-batch)."""
+        optimizer.zero_grad(set_to_none=True)
+        self.pending = 0
+
     def state_dict(self, params: Iterable[torch.nn.Parameter]) -> dict[str, Any]:
         """The open window's gradients (rank average), or {} between windows."""
         if not self.pending:

@@ -30,6 +30,7 @@ from echelon3.evaluate import evaluate_sets, metric_name, split_batch, to_device
 from echelon3.profiling import Profiler
 from echelon3.runtime import interrupted
 from echelon3.trainers.accumulation import Accumulation
+from echelon3.trainers.nonfinite import NonFiniteGuard
 from echelon3.trainers.selection import KeepBest
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,8 @@ class Trainer:
                  keep_best_on: Any = None, high_is_better: bool = True,
                  metrics_on: str | Sequence[str] | None = None, float_labels: bool = False,
                  log_every_n_steps: int = 10, progress_bar: bool = True,
-                 grad_accum_steps: int = 1, profile: Mapping | None = None):
+                 nan_policy: str = "stop", grad_accum_steps: int = 1,
+                 profile: Mapping | None = None):
         if int(epochs) < 1 or int(times_to_validate_per_epoch) < 1:
             raise ValueError("epochs and times_to_validate_per_epoch must be at least 1")
         self.net, self.losses, self.optimizer = net, losses, optimizer
@@ -74,6 +76,7 @@ class Trainer:
         self.progress_bar = progress_bar and is_main()
         self.extra_state = dict(extra_state or {})
         self.closure = is_closure_optimizer(optimizer)
+        self.nonfinite = NonFiniteGuard(nan_policy, self.closure)
         self.accum = Accumulation(grad_accum_steps, self.closure)
         self.profiler = Profiler(profile, checkpoints.path)
         sets = [metrics_on] if isinstance(metrics_on, str) else list(metrics_on or test_loaders)
@@ -160,6 +163,9 @@ class Trainer:
         else:
             with self.accum.sync(self.net, last):
                 forward_backward()
+            if self.nonfinite.skip(recorded["loss"]):
+                self.accum.drop(self.optimizer)  # the window's gradients so far go too
+                return {}
             if last:
                 with self.profiler.label("optimizer"):
                     self.precision.step(self.optimizer)
@@ -178,6 +184,7 @@ class Trainer:
 
     def validate(self, epoch: int) -> None:
         """Validate during ``epoch`` (1-based, the epoch in progress or just finished)."""
+        self.nonfinite.check()
         metrics = self.evaluate()
         self.last_metrics = metrics
         best = self.keep_best.is_better(metrics, self.best_metrics)
@@ -193,6 +200,7 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def _log_train(self, sums: dict[str, torch.Tensor], count: int) -> None:
+        self.nonfinite.check()
         names = sorted(sums)
         values = torch.stack([sums[n].float() for n in names]) / (count * get_world_size())
         all_reduce_sum_(values)
@@ -217,6 +225,7 @@ class Trainer:
         finally:
             self.profiler.stop()
         self.checkpoints.ensure_best()
+        self.nonfinite.end_fit()
         return self.best_metrics
 
     def _epochs(self, steps: int, checkpoints_at: set[int]) -> None:
@@ -233,10 +242,11 @@ class Trainer:
                 scale, last = self.accum.window(i - 1, steps)
                 parts = self.train_step(batch, scale, last)
                 self.global_step += int(last)  # counts optimizer steps
+                self.nonfinite.observe(epoch + 1, self.global_step, parts)
                 for k, v in parts.items():
                     sums[k] = sums.get(k, 0) + v
-                count += 1
-                if i % self.log_every == 0 or i == steps:
+                count += bool(parts)
+                if count and (i % self.log_every == 0 or i == steps):
                     self._log_train(sums, count)
                     bar.set_postfix(loss=f"{(sums['loss'] / count).item():.4f}")
                     sums, count = {}, 0
@@ -249,5 +259,6 @@ class Trainer:
             if self.scheduler is not None:
                 self.scheduler.step()
             self.epoch = epoch + 1
+            self.nonfinite.end_epoch(self.epoch)
             self.validate(self.epoch)
             self.checkpoints.save_checkpoint(self.state_dict(), self.epoch)

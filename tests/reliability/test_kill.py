@@ -1,0 +1,173 @@
+"""SIGKILL at random instants, the whole run at once, then a rerun to the end: the final
+weights equal an uninterrupted run's, ``target.path`` holds no torn or temporary file, no
+process of the run survives and no shared-memory segment of it is left in /dev/shm.
+
+Instants are drawn with a fixed seed among three kinds: during start-up (a fixed number of
+seconds in), after the k-th history record (plus a fraction of a second), and in the middle
+of a checkpoint write (made to last DELAY seconds by slow_fsync/). While a run is alive a
+second lock attempt on its folder must be refused, naming one of the run's processes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from echelon3.lock import RunLocked, hold
+from tests.helpers import load, same_nested, write_config
+from tests.reliability import kill
+from tests.reliability.kill import DELAY, Run
+
+PROMISE = "SIGKILL at any instant: the rerun ends with the uninterrupted weights"
+SEED = 20261130
+EPOCHS = 3
+RECORDS = EPOCHS * 4  # 3 train records (every 2 of 6 steps) and 1 validation per epoch
+MODES = {"single": 12, "builtin": 4, "torchrun": 4}  # trials per launcher
+TIMEOUT = 240
+
+
+def _plans() -> list[tuple[str, int, list[tuple]]]:
+    rng = random.Random(SEED)
+    plans = []
+    for mode, count in MODES.items():
+        for trial in range(count):
+            kills = []
+            for _ in range(2 if trial % 3 == 2 else 1):  # every third trial is killed twice
+                kind = rng.choice(["startup", "records", "records", "write", "write"])
+                if kind == "startup":
+                    kills.append(("startup", round(rng.uniform(0.1, 2.5), 2)))
+                elif kind == "records":
+                    kills.append(("records", rng.randint(1, RECORDS - 1),
+                                  round(rng.uniform(0, 0.3), 2)))
+                else:
+                    kills.append(("write", round(rng.uniform(0.05, 0.9) * DELAY, 3)))
+            plans.append((mode, trial, kills))
+    return plans
+
+
+def _config(folder: Path, mode: str) -> Path:
+    workers = 1 if mode == "single" else 0  # loader workers share batches through /dev/shm
+    write_config(folder, {"trainer": {"config": {"epochs": EPOCHS}},
+                          "dataloaders": {"train": {"config": {"num_workers": workers}}}})
+    return folder / "out"
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    return kill.forkserver()
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, ctx):
+    """Final state of one uninterrupted run per world size (torchrun and the built-in
+    launcher start the same 2 gloo ranks from the same seeds)."""
+    found = {}
+    for mode in ("single", "builtin"):
+        folder = tmp_path_factory.mktemp(f"reference-{mode}")
+        out = _config(folder, mode)
+        run = Run(mode, folder, folder / "log.txt", ctx)
+        assert run.wait(TIMEOUT) == 0, run.output()
+        found[mode] = load(out / f"checkpoint-{EPOCHS}.tar")
+    found["torchrun"] = found["builtin"]
+    return found
+
+
+def _history_lines(out: Path) -> int:
+    try:
+        return len((out / "history.jsonl").read_bytes().splitlines())
+    except OSError:
+        return 0
+
+
+def _writing(out: Path) -> bool:
+    return out.is_dir() and any(p.name.endswith(".tmp") and ".tar." in p.name
+                                for p in out.iterdir())
+
+
+def _wait_until(run: Run, condition, limit: float = TIMEOUT) -> bool:
+    end = time.monotonic() + limit
+    while run.running() and time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _probe_lock(run: Run, out: Path) -> bool | None:
+    """A second claim on a live run's folder is refused, naming a process of the run."""
+    if not run.running():
+        return None
+    try:
+        with hold(out):
+            return None  # the run ended in between: nothing to refuse
+    except RunLocked as e:
+        pid = int(str(e).split("(pid ")[1].split()[0])
+        assert pid in run.seen | run.processes(), str(e)
+        return True
+
+
+def _strike(run: Run, out: Path, plan: tuple) -> tuple[bool, bool | None]:
+    """Kill ``run`` as ``plan`` says; (killed, lock refused) -- not killed if it ended first."""
+    kind, *args = plan
+    refused = None
+    if kind == "startup":
+        hit = _wait_until(run, lambda: time.monotonic() - run.started >= args[0])
+    elif kind == "records":
+        hit = _wait_until(run, lambda: _history_lines(out) >= args[0])
+        refused = _probe_lock(run, out) if hit else None
+        time.sleep(args[1])
+    else:
+        hit = _wait_until(run, lambda: _writing(out))
+        time.sleep(args[0])
+    if not run.running():
+        return False, refused
+    run.kill()
+    return True, refused
+
+
+def _check_folder(out: Path) -> None:
+    names = sorted(p.name for p in out.iterdir())
+    assert not [n for n in names if n.endswith((".tmp", ".link"))], names
+    assert ".echelon3.lock.owner" not in names, names
+    for path in out.glob("*.tar"):
+        load(path)  # raises on a torn file
+    for line in (out / "history.jsonl").read_text().splitlines():
+        json.loads(line)
+
+
+@pytest.mark.parametrize("mode, trial, plan", _plans(),
+                         ids=[f"{m}-{t}" for m, t, _ in _plans()])
+def test_killed_at_random_instants_then_rerun(tmp_path, ctx, references, ledger, mode, trial,
+                                              plan):
+    out = _config(tmp_path, mode)
+    shm_before = kill.shm_names()
+    kills, refusals, seen = 0, 0, set()
+    for attempt, strike in enumerate(plan):
+        run = Run(mode, tmp_path, tmp_path / f"log-{attempt}.txt", ctx)
+        killed, refused = _strike(run, out, strike)
+        run.wait(TIMEOUT)
+        seen |= run.seen
+        kills += killed
+        refusals += bool(refused)
+        assert run.survivors() == [], f"survived the kill ({strike})"
+    final = Run(mode, tmp_path, tmp_path / "log-final.txt", ctx)
+    assert final.wait(TIMEOUT) == 0, final.output()
+    assert "Traceback" not in final.output()
+    assert final.survivors() == []
+    seen |= final.seen
+    assert kills >= 1, f"every planned instant came after the run's end: {plan}"
+    state = load(out / f"checkpoint-{EPOCHS}.tar")
+    reference = references[mode]
+    assert state["global_step"] == reference["global_step"]
+    assert same_nested(state["model_state_dict"], reference["model_state_dict"])
+    assert same_nested(state["optimizer_state_dict"], reference["optimizer_state_dict"])
+    _check_folder(out)
+    assert kill.leaked_shm(shm_before, seen) == []
+    ledger(PROMISE, trials=1, faults=kills)
+    if refusals:
+        ledger("two runs, one target: refused at once; a dead run's lock taken over",
+               trials=refusals, faults=refusals)

@@ -1,0 +1,79 @@
+"""A NaN or infinite loss: stop at the first one, naming epoch, step and term, before anything
+is saved from it on (default); or skip such steps and say how many (``nan_policy: skip``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.helpers import echelon3, history, load, make_trainer, target, write_config
+
+FAULTS = str(__import__("pathlib").Path(__file__).with_name("faults.py"))
+PROMISE = "non-finite loss: stop at the first, or skip and count"
+
+
+def _with_trap(folder, steps, value="nan", **trainer):
+    trap = {"trap": {"module": FAULTS, "type": "NonFiniteAt", "weight": 1.0,
+                     "config": {"steps": steps, "value": value}}}
+    ce = {"ce": {"module": "torch.nn", "type": "CrossEntropyLoss", "weight": 1.0}}
+    write_config(folder, {"loss": [ce, trap], "trainer": {"config": trainer}})
+
+
+def _error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("echelon3:")]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_the_first_non_finite_loss_stops_the_run_before_anything_is_saved(tmp_path, capfd,
+                                                                          ledger, value):
+    # 6 steps per epoch, a record every 2: step 7 is seen at step 8's record, and
+    # nothing from step 7 on may reach best.tar, a checkpoint or the history.
+    _with_trap(tmp_path, [7, 11], value)
+    out = target(tmp_path)
+    assert echelon3("train", tmp_path) == 2
+    err = capfd.readouterr().err
+    assert "Traceback" not in err
+    assert _error_lines(err) == [
+        f"echelon3: error: non-finite loss at epoch 2, step 7: loss term 'trap' is {value}; "
+        "stopped before saving anything from this step on (trainer.config.nan_policy: stop; "
+        "'skip' leaves such steps out)"]
+    assert load(out / "best.tar")["global_step"] == 6
+    assert sorted(p.name for p in out.glob("checkpoint-*.tar")) == ["checkpoint-1.tar"]
+    assert max(r["step"] for r in history(out)) == 6
+    ledger(PROMISE, trials=1, faults=1)
+
+
+def test_skip_leaves_out_the_bad_steps_and_says_how_many(tmp_path, capfd, ledger):
+    _with_trap(tmp_path, [3, 7, 8], nan_policy="skip")
+    out = target(tmp_path)
+    assert echelon3("train", tmp_path) == 0
+    err = capfd.readouterr().err
+    assert "epoch 1: skipped 1 step(s) whose loss was not finite" in err
+    assert "epoch 2: skipped 2 step(s) whose loss was not finite" in err
+    assert "3 step(s) skipped for a non-finite loss in this run" in err
+    state = load(out / "checkpoint-2.tar")
+    assert state["global_step"] == 12
+    assert all(torch.isfinite(w).all() for w in state["model_state_dict"].values())
+    assert all(math.isfinite(r["loss"]) for r in history(out, "train"))
+    ledger(PROMISE, trials=1, faults=3)
+
+
+def test_gradscaler_overflow_steps_are_not_counted_as_non_finite(tmp_path, ledger):
+    trainer = make_trainer(tmp_path, precision="fp16", epochs=2, nan_policy="skip")
+    # A scale this large overflows the fp16 gradients: the scaler skips those steps itself
+    # and halves the scale, while the loss stays finite.
+    trainer.precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 60)
+    trainer.fit()
+    assert trainer.precision.scaler.get_scale() < 2.0 ** 60
+    assert trainer.nonfinite.skipped == 0
+    ledger(PROMISE, trials=1)
+
+
+def test_skip_with_a_closure_optimizer_is_refused_naming_the_key(tmp_path, capfd):
+    write_config(tmp_path, {"optimizer": {"module": "echelon3.optimizers.sam",
+                                          "type": "SAMOptimizer", "config": {"lr": 0.05}},
+                            "trainer": {"config": {"nan_policy": "skip"}}})
+    assert echelon3("train", tmp_path) == 2
+    assert "trainer.config.nan_policy: 'skip' cannot undo" in capfd.readouterr().err
