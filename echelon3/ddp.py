@@ -1,4 +1,4 @@
-"""Wrapping the network for training: ``torch.compile``, then DDP with the levers of ``trainer.config``.
+"""Wrapping the network for training: torch.compile, then DDP with the levers of trainer.config.
 
 - ``ddp_find_unused_parameters`` (default true): DDP searches the graph for
   parameters that got no gradient. Frozen parameters (``requires_grad=False``)

@@ -174,7 +174,8 @@ class WarmStart:
         rest: list[torch.nn.Parameter] = []
         for i, (pattern, _) in enumerate(self.groups):
             if not any(pattern.search(name) for name, _ in trainable):
-                raise _no_match(f"finetune.param_groups[{i}].pattern", pattern, trainable)
+                raise _no_match(f"finetune.param_groups[{i}].pattern", pattern, trainable,
+                                "trainable parameter")
         for name, p in trainable:
             index = next((i for i, (pat, _) in enumerate(self.groups) if pat.search(name)), None)
             (rest if index is None else groups[index]["params"]).append(p)
@@ -225,7 +226,7 @@ def _groups(values) -> list[tuple[re.Pattern, float]]:
     return groups
 
 
-def _no_match(key: str, pattern: re.Pattern, named) -> ConfigError:
+def _no_match(key: str, pattern: re.Pattern, named, what: str = "parameter") -> ConfigError:
     sample = ", ".join(name for name, _ in named[:6]) + (", ..." if len(named) > 6 else "")
-    return ConfigError(key, f"'{pattern.pattern}' matches no {'trainable ' if 'groups' in key else ''}"
-                       f"parameter; parameters are: {sample or '(none)'}")
+    return ConfigError(key, f"'{pattern.pattern}' matches no {what}; {what}s are: "
+                       f"{sample or '(none)'}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -81,10 +82,13 @@ class Profiler:
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             activities.append(ProfilerActivity.CUDA)
+        with warnings.catch_warnings():  # warmup: 0 is the user's choice, not news
+            warnings.filterwarnings("ignore", "Profiler won't be using warmup")
+            window = schedule(wait=self.spec["wait"], warmup=self.spec["warmup"],
+                              active=self.spec["active"], repeat=1)
         self._prof = profile(
             activities=activities,
-            schedule=schedule(wait=self.spec["wait"], warmup=self.spec["warmup"],
-                              active=self.spec["active"], repeat=1),
+            schedule=window,
             on_trace_ready=tensorboard_trace_handler(str(self.dir),
                                                      worker_name=f"rank{get_rank()}"))
         self._prof.start()

@@ -121,3 +121,21 @@ def test_ddp_all_reduces_once_per_window(tmp_path):
         trainer.fit()
     assert trainer.global_step == 3  # 8 micro-batches: windows of 3, 3 and 2
     assert len(calls) == 3  # one bucket, all-reduced once per window
+
+
+def test_a_skipped_non_finite_micro_batch_drops_its_window(tmp_path):
+    class NaNOnSecondBatch(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.calls = torch.nn.Linear(4, 3), 0
+
+        def forward(self, x):
+            self.calls += self.training
+            return self.fc(x) * (float("nan") if self.calls == 2 else 1.0)
+
+    trainer = make_trainer(tmp_path, net=NaNOnSecondBatch(), grad_accum_steps=2, epochs=1,
+                           nan_policy="skip", train_loader=loader(*blobs(64), batch_size=8))
+    trainer.fit()
+    assert trainer.nonfinite.skipped == 1
+    assert all(torch.isfinite(p).all() for p in trainer.net.parameters())
+    assert trainer.global_step == 4  # the dropped window keeps its slot, as a skipped step does

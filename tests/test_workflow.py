@@ -752,8 +752,16 @@ def test_default_chain_finetunes_after_its_parent_and_exports(finished):
         finished / "results/leaderboard.md").read_text()
 
 
-def test_a_retrained_parent_reruns_its_child(finished, tmp_path):
+def test_new_parent_weights_rerun_its_child(finished, tmp_path):
+    """As a retrained parent leaves it: best.tar with other weights (a touch alone is not
+    enough: Snakemake compares the checksum of a small input whose mtime changed)."""
+    import torch
+
     wf = copy_finished(finished, tmp_path / "wf")
-    os.utime(wf / "results/digits_mlp/best.tar")  # as a new training run leaves it
+    best = wf / "results/digits_mlp/best.tar"
+    state = torch.load(best, weights_only=True)
+    state["model_state_dict"] = {k: v + 0.01 for k, v in state["model_state_dict"].items()}
+    best.unlink()
+    torch.save(state, best)
     out = snakemake(wf, "-n")
     assert planned(out) == CHAIN | {("report", None), ("all", None)}
