@@ -5,6 +5,9 @@ A checkpoint is data only (tensors and plain Python types), so it loads with
 without running it. Files under ``target.path``:
 
 - ``checkpoint-<epoch>.tar``  rolling, ``epoch`` = completed epochs, newest N kept;
+- ``checkpoint-<epoch>-step<step>.tar``  written on preemption part-way through epoch
+                              ``epoch + 1`` at global step ``step``; resume takes it like
+                              any rolling checkpoint, the next full one replaces it;
 - ``best.tar``                the keep-best winner, a stable name for downstream rules.
 """
 
@@ -30,7 +33,7 @@ BEST = "best.tar"
 # best.tar is a hard link to this hidden twin: a workflow engine that deletes its
 # declared output before rerunning a job must not destroy the best weights.
 KEPT_BEST = ".best.tar"
-_ROLLING = re.compile(r"^checkpoint-(\d+)\.tar$")
+_ROLLING = re.compile(r"^checkpoint-(\d+)(?:-step(\d+))?\.tar$")
 
 
 def _drop_leading(key: str, prefix: str) -> str:
@@ -171,7 +174,7 @@ class CheckpointManager:
         """Rolling checkpoints, newest first."""
         if not self.path.is_dir():
             return []
-        found = [(int(m.group(1)), p) for p in self.path.iterdir()
+        found = [((int(m.group(1)), int(m.group(2) or 0)), p) for p in self.path.iterdir()
                  if (m := _ROLLING.match(p.name))]
         return [p for _, p in sorted(found, reverse=True)]
 
@@ -180,8 +183,19 @@ class CheckpointManager:
         if not is_main():
             return
         atomic_save(state, self.path / f"checkpoint-{epoch}.tar")
+        for old in self.rolling():  # mid-epoch ones are superseded by a full epoch
+            if "-step" in old.name:
+                old.unlink(missing_ok=True)
         for old in self.rolling()[self.checkpoints_to_keep:]:
             old.unlink(missing_ok=True)
+
+    def save_preempted(self, state: dict[str, Any]) -> Path:
+        """Write a mid-epoch ``checkpoint-<epoch>-step<step>.tar``; returns its path (rank 0
+        writes, the others only learn the name)."""
+        path = self.path / f"checkpoint-{state['epoch']}-step{state['global_step']}.tar"
+        if is_main():
+            atomic_save(state, path)
+        return path
 
     def save_best(self, state: dict[str, Any]) -> None:
         """Write the keep-best winner as ``best.tar``; returns at once off rank 0."""

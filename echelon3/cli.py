@@ -1,4 +1,4 @@
-"""The ``echelon3`` command: train / finetune / evaluate / run / export.
+"""The ``echelon3`` command: train / finetune / evaluate / run / export, and ``profiles install``.
 
 Heavy imports (torch, the tasks) happen inside the commands, so ``--help`` is
 instant. Exit codes: 0 success, 2 a user error (one line naming the config key
@@ -13,6 +13,8 @@ import contextlib
 import os
 import sys
 import traceback
+
+from echelon3 import profiles
 
 # Sections only another task builds; their components are not imported up front.
 OTHER_TASKS_ONLY = {"train": ("evaluator", "runner", "export"),
@@ -54,7 +56,8 @@ def parser() -> argparse.ArgumentParser:
         prog="echelon3", description="Config-driven PyTorch training: one YAML per run.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_argument("--version", action="version", version=f"echelon3 {__version__}")
-    sub = top.add_subparsers(dest="command", metavar="{" + ",".join(TASKS) + "}", required=True)
+    sub = top.add_subparsers(dest="command", metavar="{" + ",".join([*TASKS, "profiles"]) + "}",
+                             required=True)
     for name, (_, _, help_text) in TASKS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,6 +69,7 @@ def parser() -> argparse.ArgumentParser:
                        help="print the composed, resolved config and exit")
         p.add_argument("overrides", nargs="*", metavar="override",
                        help="key=value, +key=value, ++key=value or ~key")
+    profiles.add_parser(sub)
     return top
 
 
@@ -75,6 +79,10 @@ def _debug() -> bool:
 
 def _execute(args) -> None:
     import importlib
+
+    if args.command == "profiles":
+        profiles.main(args)
+        return
 
     from echelon3.config import load_config, to_yaml
 
@@ -131,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"echelon3: error: {message}", file=sys.stderr)
             return 2
         from echelon3.dist import WorkerFailed
+        from echelon3.preemption import Preempted
 
+        if isinstance(e, Preempted):
+            return e.exit_code  # the trainer logged where it stopped
         if isinstance(e, WorkerFailed):
             print(f"echelon3: {e}", file=sys.stderr)
             return e.exit_code

@@ -12,6 +12,7 @@ Evaluation shards by stride without padding, so no sample is counted twice.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import signal
 import sys
@@ -36,6 +37,17 @@ def worker_init(_worker_id: int) -> None:
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         except OSError:
             pass
+
+
+class TrainSampler(DistributedSampler):
+    """DistributedSampler that can start its next epoch part-way, after ``skip`` samples of
+    this rank (a run resumed from a mid-epoch checkpoint). ``len`` stays the whole epoch's."""
+
+    skip = 0
+
+    def __iter__(self) -> Iterator[int]:
+        skip, self.skip = self.skip, 0
+        return itertools.islice(super().__iter__(), skip, None)
 
 
 class ShardSampler(Sampler[int]):
@@ -127,8 +139,8 @@ def create_dataloader(name: str, spec: Mapping, dataset: Dataset, *, train: bool
     shuffle = bool(config.pop("shuffle", train))
     drop_last = bool(config.pop("drop_last", False))
     if train:
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
-                                     shuffle=shuffle, seed=seed, drop_last=drop_last)
+        sampler = TrainSampler(dataset, num_replicas=world_size, rank=rank,
+                               shuffle=shuffle, seed=seed, drop_last=drop_last)
     else:
         sampler = ShardSampler(dataset, world_size, rank)
     config.update(batch_size=batch, drop_last=drop_last if train else False)
@@ -153,6 +165,15 @@ def set_epoch(loader: DataLoader, epoch: int) -> None:
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
 
+
+def skip_batches(loader: DataLoader, batches: int) -> None:
+    """Make the loader's next epoch start after its first ``batches`` batches."""
+    if batches <= 0:
+        return
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(sampler, TrainSampler):
+        raise TypeError("only a train loader built by echelon3 can start part-way")
+    sampler.skip = batches * int(loader.batch_size)
 
 
 def create_dataloaders(loaders_cfg: Mapping, train_set: Dataset | None,

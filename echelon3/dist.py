@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Mapping
 
+from echelon3 import preemption
+
 TIMEOUT_ENV = "ECHELON3_DDP_TIMEOUT_MIN"
 DEFAULT_TIMEOUT_MIN = 30.0
 
@@ -88,6 +90,7 @@ def _initialized() -> bool:
 
 
 def get_rank() -> int:
+    """This process's rank in the job: 0 in a single process."""
     if _initialized():
         import torch.distributed as dist
 
@@ -96,6 +99,7 @@ def get_rank() -> int:
 
 
 def get_world_size() -> int:
+    """Number of processes in the job: 1 in a single process."""
     if _initialized():
         import torch.distributed as dist
 
@@ -104,10 +108,12 @@ def get_world_size() -> int:
 
 
 def is_main() -> bool:
+    """True on rank 0, the rank that prints, logs and writes files."""
     return get_rank() == 0
 
 
 def barrier() -> None:
+    """Wait until every rank gets here; a no-op in a single process."""
     if _initialized():
         import torch.distributed as dist
 
@@ -115,6 +121,7 @@ def barrier() -> None:
 
 
 def all_reduce_sum_(*tensors) -> None:
+    """Sum each tensor in place across ranks; a no-op in a single process."""
     if _initialized():
         import torch.distributed as dist
 
@@ -209,6 +216,9 @@ def _describe_failures(err) -> tuple[str, int]:
         if code in (130, -signal.SIGINT):
             codes.add(130)
             continue
+        if code == preemption.RESUBMIT_EXIT:
+            codes.add(code)
+            continue
         codes.add(2 if code == 2 else 1)
         if code == -signal.SIGKILL:
             lines.append(f"rank {rank} (pid {failure.pid}): {OOM_HINT}")
@@ -220,6 +230,8 @@ def _describe_failures(err) -> tuple[str, int]:
                          "its traceback is above")
     if lines:
         return "\n".join(lines), 2 if codes == {2} else 1
+    if codes == {preemption.RESUBMIT_EXIT}:
+        return "preempted; the next attempt resumes", preemption.RESUBMIT_EXIT
     return ("interrupted", 130) if 130 in codes else ("a worker reported an error above", 2)
 
 
@@ -233,7 +245,9 @@ def spawn(entrypoint: Callable, args: tuple, nproc: int) -> None:
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
         monitor_interval=0.2, start_method="spawn", logs_specs=DefaultLogsSpecs(),
-        shutdown_timeout=10)
+        # on SIGTERM / the early-warning signal the agent passes it on and waits: the
+        # workers stop at the next step and checkpoint (SLURM kills after KillWait, 30 s)
+        shutdown_timeout=20, signals_to_handle=preemption.launcher_signals())
     # Workers print their own traceback or one-line error; the agent's notes and its
     # copy of the same traceback would only bury it.
     for name, logger in list(logging.root.manager.loggerDict.items()):
@@ -243,6 +257,8 @@ def spawn(entrypoint: Callable, args: tuple, nproc: int) -> None:
     try:
         elastic_launch(config, entrypoint)(*args)
     except SignalException as e:
+        if e.sigval in preemption.signals():
+            raise preemption.Preempted(f"workers stopped on {e.sigval.name}") from e
         raise KeyboardInterrupt from e
     except elastic_errors.ChildFailedError as e:
         message, code = _describe_failures(e)

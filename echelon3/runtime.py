@@ -20,7 +20,7 @@ from typing import Callable
 
 from omegaconf import OmegaConf
 
-from echelon3 import dist
+from echelon3 import dist, preemption
 from echelon3.config import RunConfig
 from echelon3.errors import ConfigError, UserError
 
@@ -214,6 +214,8 @@ def spawned_worker(task: Task, cfg: dict, config_dir: str, config_file: str, pla
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
+    except preemption.Preempted:
+        sys.exit(preemption.RESUBMIT_EXIT)
     except BaseException:
         print(f"[rank {rank}] " + traceback.format_exc().rstrip(), file=sys.stderr, flush=True)
         sys.exit(1)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from echelon3 import __version__, build
+from echelon3 import __version__, build, preemption
 from echelon3 import lock as run_lock
 from echelon3.checkpoint import (BEST, KEPT_BEST, CheckpointManager, atomic_write_text,
                                  load_weights)
@@ -145,6 +145,7 @@ def _train(rc: RunConfig, device, launcher) -> None:
     require(cfg, "net", "data", "dataloaders", "loss", "optimizer", "trainer", "target",
             task="train")
     settings = runtime_settings(cfg)
+    preemption.install()
     seed = int(cfg.get("seed", 0))
     seed_everything(seed)
     checkpoints = build.build_target(cfg, rc.config_dir)

@@ -21,8 +21,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
+from echelon3 import preemption
 from echelon3.checkpoint import rng_state, set_rng_state, strip_prefixes
-from echelon3.data import set_epoch
+from echelon3.data import set_epoch, skip_batches
 from echelon3.dist import (all_gather_object, all_reduce_sum_, get_rank, get_world_size,
                            is_main, unwrap)
 from echelon3.errors import ConfigError
@@ -92,6 +93,8 @@ class Trainer:
         self.best_metrics: dict[str, float] | None = None
         self.last_metrics: dict[str, float] = {}
         self._rng = None  # RNG state to restore right before training resumes
+        self._mid = None  # where a preempted epoch resumes (preemption.resume_point)
+        self._epoch_rng = None  # RNG states as the epoch in progress began
         if resume_state is not None:
             self.restore(resume_state)
 
@@ -131,6 +134,9 @@ class Trainer:
         per_rank = state.get("rng_states")
         same_world = per_rank is not None and len(per_rank) == get_world_size()
         self._rng = per_rank[get_rank()] if same_world else state.get("rng_state")
+        self._mid = preemption.resume_point(state, get_rank(), get_world_size())
+        if self._mid is not None:
+            self._rng = None  # restored as the preempted epoch restarts
         self.accum.load_state_dict(state, self._params())
 
     def _params(self) -> list[torch.nn.Parameter]:
@@ -209,6 +215,31 @@ class Trainer:
         record["lr"] = self.optimizer.param_groups[0]["lr"]
         self.logger.log(record)
 
+    def _start_epoch(self, epoch: int):
+        """Set the epoch's data order and open its batches -> (batches, steps done, sums,
+        count). A preempted epoch continues after its last step, with that moment's RNG
+        states and unlogged sums; the loader draws its seed from the epoch-start state."""
+        set_epoch(self.train_loader, epoch)
+        mid, self._mid = self._mid, None
+        if mid is not None:
+            set_rng_state(mid["epoch_rng"])
+            skip_batches(self.train_loader, mid["step"])
+        self._epoch_rng = rng_state()
+        batches = iter(self.train_loader)
+        if mid is None:
+            return batches, 0, {}, 0
+        set_rng_state(mid["rng"])
+        sums = {k: v.to(self.device) for k, v in mid["sums"].items()}
+        return batches, mid["step"], sums, mid["count"]
+
+    def _preempt(self, step: int, sums: dict, count: int) -> None:
+        """Checkpoint the epoch in progress (every rank takes part) and stop."""
+        state = self.state_dict()
+        state["preempted"] = preemption.position(step, self._epoch_rng, sums, count)
+        path = self.checkpoints.save_preempted(state)
+        log.info("%s", preemption.report(self.epoch + 1, self.global_step, path))
+        raise preemption.Preempted(str(path))
+
     def fit(self) -> dict[str, float] | None:
         if self._rng is not None:
             set_rng_state(self._rng)
@@ -229,14 +260,14 @@ class Trainer:
         return self.best_metrics
 
     def _epochs(self, steps: int, checkpoints_at: set[int]) -> None:
+        world = get_world_size()
         for epoch in range(self.epoch, self.epochs):
-            set_epoch(self.train_loader, epoch)
+            batches, done, sums, count = self._start_epoch(epoch)
             self.net.train()
-            sums: dict[str, torch.Tensor] = {}
-            count = 0
-            bar = tqdm(self.train_loader, desc=f"epoch {epoch + 1}/{self.epochs}",
-                       disable=None if self.progress_bar else True, dynamic_ncols=True)
-            for i, batch in enumerate(self.profiler.batches(bar), start=1):
+            bar = tqdm(batches, desc=f"epoch {epoch + 1}/{self.epochs}", total=steps,
+                       initial=done, disable=None if self.progress_bar else True,
+                       dynamic_ncols=True)
+            for i, batch in enumerate(self.profiler.batches(bar), start=done + 1):
                 if interrupted():
                     raise KeyboardInterrupt
                 scale, last = self.accum.window(i - 1, steps)
@@ -252,6 +283,8 @@ class Trainer:
                     sums, count = {}, 0
                 if i in checkpoints_at:
                     self.validate(epoch + 1)
+                if preemption.stop_now(world, self.device):
+                    self._preempt(i, sums, count)
                 if self.profiler.step():
                     log.info("stopping after the profiled batches (%s.stop_after)",
                              "trainer.config.profile")

@@ -1,0 +1,155 @@
+"""Preemption: stop at a step boundary, write a step-exact checkpoint, exit "resubmit".
+
+SLURM sends SIGTERM on preemption, ``scancel`` and at the wall time (SIGKILL
+follows after KillWait, 30 s by default), and, when a job asks for it with
+``--signal=USR1@<seconds>``, an early-warning signal that long before the wall
+time. echelon3 treats SIGTERM and the early-warning signal (``SIGUSR1``, or
+the one named by ``ECHELON3_PREEMPT_SIGNAL``) alike:
+
+1. the handler only notes the signal (no exception lands inside a collective);
+2. the training loop calls :func:`stop_now` after every step; with several
+   ranks they agree through one 1-element all-reduce, so all stop after the
+   same step even when the signal reached them at different times;
+3. the trainer writes a mid-epoch checkpoint (rank 0 writes; sampler position,
+   every rank's RNG states and the partial epoch sums are in it) and raises
+   :class:`Preempted`;
+4. the process exits with :data:`RESUBMIT_EXIT` (75, EX_TEMPFAIL): "try again",
+   which the workflow retries; the next attempt resumes at that very step.
+
+Ctrl-C (SIGINT) is no preemption: it keeps raising KeyboardInterrupt (exit 130).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+RESUBMIT_EXIT = 75  # EX_TEMPFAIL: a temporary failure, run again
+SIGNAL_ENV = "ECHELON3_PREEMPT_SIGNAL"
+DEFAULT_SIGNAL = "SIGUSR1"
+
+_received: str | None = None
+_received_at: float | None = None
+
+
+class Preempted(Exception):
+    """The run stopped on a preemption signal after checkpointing; exit with RESUBMIT_EXIT."""
+
+    exit_code = RESUBMIT_EXIT
+
+
+def _parse(name: str) -> signal.Signals:
+    from echelon3.errors import ConfigError
+
+    text = name.strip().upper()
+    text = text if text.startswith("SIG") else f"SIG{text}"
+    sig = getattr(signal.Signals, text, None)
+    if sig is None or sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGINT):
+        raise ConfigError(SIGNAL_ENV, f"must name a signal other than KILL, STOP and INT "
+                          f"(e.g. USR1, USR2), got {name!r}")
+    return sig
+
+
+def signals() -> list[signal.Signals]:
+    """SIGTERM and the early-warning signal, in that order."""
+    import os
+
+    early = _parse(os.environ.get(SIGNAL_ENV) or DEFAULT_SIGNAL)
+    return [signal.SIGTERM] + ([early] if early != signal.SIGTERM else [])
+
+
+def launcher_signals() -> str:
+    """What torch elastic's agent should catch and pass on to its workers (it waits
+    for them to exit): Ctrl-C and hang-ups as torchrun does, plus ours."""
+    names = ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"]
+    names += [s.name for s in signals() if s.name not in names]
+    return ",".join(names)
+
+
+def _on_signal(signum, frame) -> None:
+    global _received, _received_at
+    if _received is None:
+        _received, _received_at = signal.Signals(signum).name, time.monotonic()
+
+
+def install() -> None:
+    """Note SIGTERM and the early-warning signal instead of dying of them (main thread only)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in signals():
+            signal.signal(sig, _on_signal)
+
+
+def requested() -> str | None:
+    """The name of the preemption signal this process received, if any."""
+    return _received
+
+
+def seconds_since_signal() -> float | None:
+    return None if _received_at is None else time.monotonic() - _received_at
+
+
+def reset() -> None:
+    """Forget a received signal (tests, or a process that trains twice)."""
+    global _received, _received_at
+    _received = _received_at = None
+
+
+def stop_now(world_size: int, device=None) -> bool:
+    """Whether to stop after this step: this rank's flag, or any rank's under DDP
+    (a 1-element all-reduce, made only when there are several ranks)."""
+    local = _received is not None
+    if world_size <= 1:
+        return local
+    import torch
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return local
+    flag = torch.tensor([1.0 if local else 0.0], device=device)
+    tdist.all_reduce(flag)
+    return bool(flag.item() > 0)
+
+
+def _all_ranks(obj) -> list:
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
+        return [obj]
+    gathered: list = [None] * tdist.get_world_size()
+    tdist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def position(step: int, epoch_rng: dict, sums: dict, count: int) -> dict:
+    """Where a preempted epoch stands, for its checkpoint (a collective under DDP): steps
+    done in the epoch, and per rank the RNG states at the epoch's start (before the
+    loader drew its seed) and the partial sums of the losses not yet logged."""
+    mine = {"epoch_rng": epoch_rng, "sums": {k: v.detach().cpu() for k, v in sums.items()}}
+    return {"step": int(step), "count": int(count), "ranks": _all_ranks(mine)}
+
+
+def resume_point(state, rank: int, world_size: int) -> dict | None:
+    """What a rank needs to continue a preempted epoch, or None for an epoch-end checkpoint.
+    Under another world size rank 0's states stand in (the data order differs anyway)."""
+    saved = state.get("preempted")
+    if not saved:
+        return None
+    same = len(saved["ranks"]) == world_size
+    mine = saved["ranks"][rank if same else 0]
+    per_rank = state.get("rng_states")
+    current = per_rank[rank] if same and per_rank else state["rng_state"]
+    return {"step": saved["step"], "count": saved["count"], "sums": mine["sums"],
+            "epoch_rng": mine["epoch_rng"], "rng": current}
+
+
+def report(epoch: int, step: int, path) -> str:
+    """The line logged once the checkpoint is written."""
+    since = seconds_since_signal()
+    timing = f", {since:.2f} s after the signal" if since is not None else ""
+    return (f"preempted ({_received or 'a signal on another rank'}) at epoch {epoch} "
+            f"step {step}: checkpoint {path} written{timing}; exiting {RESUBMIT_EXIT} "
+            "(resubmit: the next attempt resumes at this step)")

@@ -1,0 +1,293 @@
+"""Runs the examples of the documentation pages (Sybil finds them, these evaluators run them).
+
+Every fenced ``bash``, ``yaml`` and ``python`` block of a page is an example,
+run in page order inside a scratch copy of the project (``config/``,
+``workflow/``, ``profiles/``, ``Snakefile``) shared by the page's blocks:
+
+- ``bash``: the block runs command by command (continuation lines joined): a
+  plain ``echelon3 ...`` line through the real CLI in this process (one torch
+  start-up for all of them), any other line with ``bash -euo pipefail``;
+- ``yaml``: an echelon3 config, or a fragment of one merged onto
+  ``config/experiments/digits_cnn.yaml``, composed with ``--print-config`` and
+  checked as the CLI's pre-flight does (every module imported, every type found,
+  batch sizes divisible by the world size); a workflow config (``experiments:``)
+  is validated against ``workflow/schemas/config.schema.yaml`` and the configs
+  it names must exist;
+- ``python``: executed.
+
+An HTML comment right above a block changes how it runs (invisible on the site)::
+
+    <!-- test: epochs=1 -->           train for 1 epoch (too slow for CI otherwise)
+    <!-- test: dry-run -->            snakemake gets -n, echelon3 gets --print-config
+    <!-- test: file=my/nets.py -->    the block is that file's content: written, then
+                                      checked as its language says
+    <!-- test: exit=2 -->             the block must fail with this exit code
+    <!-- test: skip because ... -->   not run; the reason is required
+
+Shortening and dry runs work through small wrappers put first on ``PATH`` (so
+commands run by Snakemake jobs are shortened too), and by adding the same
+arguments to the in-process calls.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import yaml
+from sybil import Document
+from sybil.parsers.markdown import CodeBlockParser
+
+from tests.conftest import BIN, REPO
+
+PROJECT_PARTS = ("config", "workflow", "profiles", "Snakefile")
+BASE_CONFIG = "digits_cnn"
+BLOCK_TIMEOUT_S = 300
+_MARK = re.compile(r"<!--\s*test:\s*(.*?)\s*-->\Z", re.S)
+
+WRAPPER = """#!/usr/bin/env bash
+# Stands in for {name} while the docs examples run (see tests/docs_runner.py).
+extra=()
+if [ "{name}" = echelon3 ] && [ "${{1:-}}" = train ] && [ -n "${{DOCS_EPOCHS:-}}" ]; then
+    extra+=("trainer.config.epochs=$DOCS_EPOCHS")
+fi
+if [ -n "${{DOCS_DRY_RUN:-}}" ]; then
+    if [ "{name}" = echelon3 ]; then extra+=(--print-config); else extra+=(-n); fi
+fi
+exec "{real}" "$@" "${{extra[@]}}"
+"""
+
+
+def scratch_project(root: Path) -> Path:
+    """A copy of the project's runnable parts, with the wrappers in ``root/bin``."""
+    project = root / "project"
+    project.mkdir(parents=True)
+    for part in PROJECT_PARTS:
+        source = REPO / part
+        if source.is_dir():
+            shutil.copytree(source, project / part,
+                            ignore=shutil.ignore_patterns("__pycache__", ".snakemake"))
+        elif source.exists():
+            shutil.copy2(source, project / part)
+    wrappers = root / "bin"
+    wrappers.mkdir()
+    for name in ("echelon3", "snakemake"):
+        real = BIN / name
+        path = wrappers / name
+        path.write_text(WRAPPER.format(name=name, real=real))
+        path.chmod(0o755)
+    return project
+
+
+def marker(example) -> str:
+    """The ``<!-- test: ... -->`` text right above the example's block, or ''."""
+    above = example.document.text[:example.start].rstrip()
+    found = _MARK.match(above[above.rfind("<!--"):]) if above.endswith("-->") else None
+    return found.group(1) if found else ""
+
+
+def _options(mark: str) -> dict[str, str]:
+    if mark.startswith("skip"):
+        if not mark.removeprefix("skip").strip():
+            raise AssertionError("a skipped docs example must say why: <!-- test: skip because ... -->")
+        return {"skip": mark}
+    options = {}
+    for word in mark.split():
+        key, _, value = word.partition("=")
+        options[key] = value or "1"
+    unknown = set(options) - {"epochs", "dry-run", "file", "exit"}
+    if unknown:
+        raise AssertionError(f"unknown docs test option(s): {', '.join(sorted(unknown))}")
+    return options
+
+
+class PageRun:
+    """State shared by the examples of one page: where they run, what they did."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.project = scratch_project(root)
+        self.ran: list[str] = []
+        self.skipped: list[str] = []
+        # Commands that write to the user's config folder (profiles install) write here.
+        self.private_env = {"XDG_CONFIG_HOME": str(root / "config-home")}
+
+    def env(self, options: dict[str, str]) -> dict[str, str]:
+        env = {**os.environ, "PATH": f"{self.root / 'bin'}{os.pathsep}{BIN}{os.pathsep}"
+               f"{os.environ.get('PATH', '')}", "PYTHONUNBUFFERED": "1"}
+        for name in ("RANK", "WORLD_SIZE", "DOCS_EPOCHS", "DOCS_DRY_RUN"):
+            env.pop(name, None)
+        env.update(self.private_env)
+        if "epochs" in options:
+            env["DOCS_EPOCHS"] = options["epochs"]
+        if "dry-run" in options:
+            env["DOCS_DRY_RUN"] = "1"
+        return env
+
+    # ------------------------------------------------------------------ evaluators
+
+    def _begin(self, example) -> dict[str, str] | None:
+        options = _options(marker(example))
+        where = f"{Path(example.path).name} line {example.line}"
+        if "skip" in options:
+            self.skipped.append(f"{where}: {options['skip']}")
+            return None
+        self.ran.append(where)
+        if "file" in options:
+            path = self.project / options["file"]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(example.parsed)
+        return options
+
+    def bash(self, example) -> None:
+        options = self._begin(example)
+        if options is None:
+            return
+        wanted = int(options.get("exit", 0))
+        code, output = 0, ""
+        for command in shell_commands(example.parsed):
+            words = simple_echelon3(command)
+            if words is not None:
+                code, output = self.echelon3_in_process(words, options), "(in-process)"
+            else:
+                done = subprocess.run(["bash", "-euo", "pipefail", "-c", command],
+                                      cwd=self.project, env=self.env(options), text=True,
+                                      capture_output=True, timeout=BLOCK_TIMEOUT_S)
+                code, output = done.returncode, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+            if code != 0:
+                break
+        assert code == wanted, (f"exit code {code}, expected {wanted}\n--- command:\n"
+                                f"{command}\n--- output:\n{output}")
+
+    def echelon3_in_process(self, words: list[str], options: dict[str, str]) -> int:
+        """``echelon3 ...`` through the real CLI in this process: no second torch start-up."""
+        from echelon3 import cli
+
+        args = words[1:]
+        if "epochs" in options and args[:1] == ["train"]:
+            args.append(f"trainer.config.epochs={options['epochs']}")
+        if "dry-run" in options:
+            args.append("--print-config")
+        cwd, saved = os.getcwd(), {k: os.environ.get(k) for k in self.private_env}
+        os.chdir(self.project)
+        os.environ.update(self.private_env)
+        try:
+            return cli.main(args)
+        except SystemExit as e:  # argparse
+            return int(e.code or 0)
+        finally:
+            os.chdir(cwd)
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+    def python(self, example) -> None:
+        options = self._begin(example)
+        if options is None or "file" in options:
+            return
+        namespace = example.namespace
+        cwd = os.getcwd()
+        os.chdir(self.project)
+        try:
+            exec(compile(example.parsed, f"{example.path}:{example.line}", "exec"), namespace)
+        finally:
+            os.chdir(cwd)
+
+    def yaml(self, example) -> None:
+        options = self._begin(example)
+        if options is None:
+            return
+        data = yaml.safe_load(example.parsed)
+        assert isinstance(data, dict), "a YAML example must be a mapping"
+        if {"experiments", "sweeps", "leaderboard", "config_dir"} & set(data):
+            check_workflow_config(data, self.project)
+        elif "file" in options and not options["file"].endswith(".yaml"):
+            raise AssertionError(f"{options['file']}: only .yaml files are composed")
+        else:
+            compose_and_check(self.project, example.parsed, options.get("file"))
+
+
+def shell_commands(block: str) -> list[str]:
+    """The block's commands: continuation lines joined, comments and blank lines dropped."""
+    commands, current = [], ""
+    for line in block.splitlines():
+        current += line.rstrip()
+        if current.endswith("\\"):
+            current = current[:-1] + " "
+            continue
+        if current.strip() and not current.lstrip().startswith("#"):
+            commands.append(current.strip())
+        current = ""
+    return commands
+
+
+def simple_echelon3(command: str) -> list[str] | None:
+    """The words of a plain ``echelon3 ...`` command (no pipes, redirection, variables)."""
+    if not command.startswith("echelon3 ") or re.search(r"[|&;<>$`*?]", command.split(" #")[0]):
+        return None
+    return shlex.split(command, comments=True)
+
+
+def check_workflow_config(data: dict, project: Path) -> None:
+    """Valid for the workflow's schema, and every run it names has its config file."""
+    import jsonschema
+
+    schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
+    jsonschema.validate(data, schema)
+    folder = project / data.get("config_dir", "config/experiments")
+    for section in ("experiments", "sweeps"):
+        for name, run in (data.get(section) or {}).items():
+            assert (folder / f"{run['config']}.yaml").is_file(), \
+                f"{section}.{name}: no {run['config']}.yaml in {folder}"
+
+
+def compose_and_check(project: Path, text: str, file: str | None) -> None:
+    """``--print-config`` the block (a fragment goes onto digits_cnn), then pre-flight it."""
+    from echelon3 import build, cli, config, data
+
+    if file is None:
+        directory = project / "config" / "experiments"
+        name = "docs_example"
+        body = yaml.safe_load(text)
+        if "defaults" not in body and not {"net", "data"} <= set(body):
+            text = f"defaults: [{BASE_CONFIG}, _self_]\n{text}"
+        (directory / f"{name}.yaml").write_text(text)
+    else:
+        path = project / file
+        directory, name = path.parent, path.stem
+    out = io.StringIO()
+    cwd = os.getcwd()
+    os.chdir(project)
+    try:
+        with redirect_stdout(out):
+            code = cli.main(["train", "-cd", str(directory), "-cn", name, "--print-config"])
+        assert code == 0, f"--print-config failed with exit code {code}"
+        rc = config.load_config(directory, name, [])
+        gpus, nproc = rc.cfg.get("gpus"), rc.cfg.get("nproc")
+        world = len(gpus) if gpus is not None and not isinstance(gpus, int) else (nproc or 1)
+        data.check_batch_sizes(rc.cfg.get("dataloaders"), world)
+        build.check_specs(rc.cfg, rc.config_dir)
+    finally:
+        os.chdir(cwd)
+    assert yaml.safe_load(out.getvalue()), "--print-config printed nothing"
+
+
+def parse_page(path: Path, run: PageRun) -> Document:
+    """The page's examples, each bound to the evaluator of its language."""
+    parsers = [CodeBlockParser("bash", run.bash), CodeBlockParser("yaml", run.yaml),
+               CodeBlockParser("python", run.python)]
+    return Document.parse(str(path), *parsers)
+
+
+def fence_languages(text: str) -> list[str]:
+    """The info string of every fenced block (so none hides in an unrun language)."""
+    return re.findall(r"^\s*```+\s*([\w+-]*)", text, re.M)[::2]
+
