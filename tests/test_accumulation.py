@@ -6,13 +6,19 @@ runs is the order of float additions, so weights agree to float tolerance.
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import torch
 
+from echelon3 import preemption
 from echelon3.errors import ConfigError
+from echelon3.nets.mlp import MLP
 from echelon3.trainers.accumulation import Accumulation
 from tests.conftest import run_cli
-from tests.helpers import blobs, echelon3, load, loader, make_trainer, write_config
+from tests.helpers import (assert_same_tensors, blobs, echelon3, load, loader, make_trainer,
+                           write_config)
 
 TOLERANCE = 1e-6  # |w_accumulated - w_big_batch|, float32 summation order
 
@@ -48,47 +54,82 @@ def test_closure_optimizer_with_accumulation_is_an_error_naming_the_key(tmp_path
         make_trainer(tmp_path, grad_accum_steps=0)
 
 
-def drive(trainer, batches, start: int, total: int) -> None:
-    """The loop's micro-steps ``start..`` over ``batches``."""
-    for i, batch in enumerate(batches, start):
-        scale, last = trainer.accum.window(i, total)
-        trainer.train_step(batch, scale, last)
+PREEMPT_AT = "ECHELON3_TEST_PREEMPT_AT"  # outside the config: the resumed run is the same run
 
 
-def test_resume_in_the_middle_of_a_window_is_exact(tmp_path):
-    batches = list(loader(*blobs(64), batch_size=8))  # 8 micro-batches: windows 0-3, 4-7
-    momentum = dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-                    grad_accum_steps=4)
-    straight = make_trainer(tmp_path / "a", **momentum)
-    drive(straight, batches, 0, 8)
+class PreemptingMLP(MLP):
+    """The digits MLP; rank 0 sends itself SIGUSR1 (a preemption notice) in its
+    ``$ECHELON3_TEST_PREEMPT_AT``-th training forward, so the run checkpoints after
+    that micro-batch."""
 
-    first = make_trainer(tmp_path / "b", **momentum)
-    drive(first, batches[:6], 0, 8)  # one step, then 2 micro-batches into the second window
-    torch.save(first.state_dict(), tmp_path / "mid.tar")
-    state = load(tmp_path / "mid.tar")
-    assert state["accum_pending"] == 2 and len(state["accum_grads"]) == 2
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.at, self.calls = int(os.environ.get(PREEMPT_AT, 0)), 0
 
-    net = torch.nn.Linear(4, 3)
-    net.load_state_dict(state["model_state_dict"])
-    resumed = make_trainer(tmp_path / "c", net=net, resume_state=state, **momentum)
-    drive(resumed, batches[6:], 6, 8)
-    for key, value in straight.net.state_dict().items():
-        assert torch.equal(resumed.net.state_dict()[key], value), key
-    assert "accum_grads" not in resumed.state_dict()  # window closed: nothing to carry
+    def forward(self, x):
+        self.calls += self.training
+        if self.calls == self.at and int(os.environ.get("RANK", 0)) == 0:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return super().forward(x)
+
+
+@pytest.fixture
+def own_handlers():
+    """In-process runs install echelon3's signal handlers; put pytest's back afterwards."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+    preemption.reset()
+
+
+def preempting(dropout: float = 0.1, **trainer) -> dict:
+    """192 samples, batch 32: 6 micro-batches per epoch, windows of 3; momentum SGD."""
+    return {"net": {"module": "tests.test_accumulation", "type": "PreemptingMLP",
+                    "config": {"hidden": 32, "dropout": dropout}},
+            "trainer": {"config": {"grad_accum_steps": 3, "precision": "fp32", **trainer}}}
+
+
+def test_preempted_in_the_middle_of_a_window_resumes_exactly(tmp_path, own_handlers,
+                                                            monkeypatch):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    write_config(straight, preempting())
+    write_config(split, preempting())
+    assert echelon3("train", straight) == 0
+    monkeypatch.setenv(PREEMPT_AT, str(6 + 5))  # epoch 2, micro-batch 5: 2 of 3 in the window
+    assert echelon3("train", split) == preemption.RESUBMIT_EXIT
+    monkeypatch.delenv(PREEMPT_AT)
+    (mid,) = (split / "out").glob("checkpoint-1-step*.tar")
+    state = load(mid)
+    assert state["global_step"] == 3 and state["preempted"]["step"] == 5
+    assert state["accum_pending"] == 2 and len(state["accum_grads"]) == 4
+    preemption.reset()
+    assert echelon3("train", split) == 0
+    assert_same_tensors(load(split / "out" / "checkpoint-2.tar")["model_state_dict"],
+                        load(straight / "out" / "checkpoint-2.tar")["model_state_dict"])
 
 
 def test_two_ranks_accumulating_equal_one_process_with_the_whole_batch(tmp_path):
-    """2 ranks x 2 micro-batches of 8 (global 16) == 1 process, batch 32; DDP's static
-    graph on, so its first iteration syncs inside a window (an all-reduce more)."""
+    """2 ranks x 2 micro-batches of 8 (global 16) == 1 process, batch 32. The 2-rank run is
+    preempted inside a window and resumed (the partial gradients travel in the checkpoint,
+    averaged over the ranks), and DDP's static graph is on, so its first iteration syncs
+    inside a window (an all-reduce more): neither may change the result."""
     plain = {"net": {"config": {"dropout": 0.0}}, "optimizer": {"config": {"momentum": 0.0}},
              "dataloaders": {"train": {"config": {"shuffle": False}}},
              "trainer": {"config": {"epochs": 1, "precision": "fp32"}}}
     ranks = tmp_path / "ranks"
-    write_config(ranks, {**plain, "dataloaders": {"train": {"config": {
-        "shuffle": False, "batch_size": 16}}}, "trainer": {"config": {
-            "epochs": 1, "precision": "fp32", "grad_accum_steps": 2, "ddp_static_graph": True,
-            "ddp_find_unused_parameters": False}}}, remove=("scheduler",))
-    result = run_cli(["train", "-cd", str(ranks), "-cn", "run", "nproc=2"], timeout=240)
+    write_config(ranks, {**plain, **preempting(0.0, epochs=1, grad_accum_steps=2,
+                                                ddp_static_graph=True,
+                                                ddp_find_unused_parameters=False),
+                         "dataloaders": {"train": {"config": {"shuffle": False,
+                                                              "batch_size": 16}}}},
+                 remove=("scheduler",))
+    args = ["train", "-cd", str(ranks), "-cn", "run", "nproc=2"]
+    result = run_cli(args, env={PREEMPT_AT: "5"}, timeout=240)
+    assert result.returncode == preemption.RESUBMIT_EXIT, result.stderr[-3000:]
+    (mid,) = (ranks / "out").glob("checkpoint-0-step*.tar")
+    assert load(mid)["accum_pending"] == 1  # micro-batch 5: the first of window 3
+    result = run_cli(args, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     single = tmp_path / "single"
     write_config(single, plain, remove=("scheduler",))
