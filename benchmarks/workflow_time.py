@@ -1,6 +1,6 @@
 """What the finetune/export chain adds to `snakemake -j1` on the embedded default.
 
-Runs the workflow twice in fresh copies of Snakefile, workflow/ and config/:
+Runs the workflow twice in fresh copies of Snakefile, workflow/, config/ and profiles/:
 once as shipped, once without the experiments that finetune from another
 (`init_from`) — the default before the chain — and prints both wall times and
 their difference. With --write-readme the figures replace the marked line in
@@ -33,7 +33,7 @@ def timed_run(config: dict | None) -> float:
     with tempfile.TemporaryDirectory(prefix="echelon3-wf-") as tmp:
         wf = Path(tmp)
         shutil.copy2(REPO / "Snakefile", wf / "Snakefile")
-        for folder in ("workflow", "config"):
+        for folder in ("workflow", "config", "profiles"):
             shutil.copytree(REPO / folder, wf / folder,
                             ignore=shutil.ignore_patterns("__pycache__"))
         if config is not None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
-import inspect
 import sys
 from contextvars import ContextVar
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any, Callable, Mapping
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from echelon3.arguments import check_arguments
 from echelon3.errors import BuildError, UserError, did_you_mean
 
 SPEC_KEYS = {"module", "type", "config"}
@@ -103,30 +103,6 @@ def resolve_type(spec: Mapping, key: str, config_dir: Path | None = None) -> Cal
     return target
 
 
-def check_arguments(target: Callable, kwargs: Mapping[str, Any], key: str,
-                    injected: Mapping[str, Any] = ()) -> None:
-    """Name an unknown or missing keyword before calling, with what is accepted."""
-    try:
-        params = list(inspect.signature(target).parameters.values())
-    except (TypeError, ValueError):
-        return  # no signature to check against (some builtins); the call itself will tell
-    keyword = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-               and p.name != "self"]
-    label = getattr(target, "__qualname__", repr(target))
-    if not any(p.kind is p.VAR_KEYWORD for p in params):
-        names = [p.name for p in keyword]
-        for arg in kwargs:
-            if arg not in names:
-                where = f"{key}.config.{arg}" if arg not in injected else key
-                offered = [n for n in names if n not in injected]
-                raise BuildError(where, f"{label} does not accept '{arg}'"
-                                 f"{did_you_mean(arg, offered)}; it accepts: "
-                                 f"{', '.join(offered) or '(nothing)'}")
-    missing = [p.name for p in keyword if p.default is p.empty and p.name not in kwargs]
-    if missing:
-        raise BuildError(f"{key}.config", f"{label} requires {', '.join(map(repr, missing))}")
-
-
 def _build_nested(value: Any, key: str, config_dir: Path | None) -> Any:
     if is_spec(value):
         return instantiate(value, key, config_dir)
@@ -170,7 +146,7 @@ def instantiate(spec: Mapping, key: str, config_dir: Path | None = None,
               for k, v in config.items()}
     kwargs = {k: to_plain(v) for k, v in kwargs.items()}
     kwargs.update(injected)
-    check_arguments(target, kwargs, key, injected)
+    check_arguments(target, kwargs, key, injected, skip_types=tuple(lazy))
     token = _CONFIG_DIR.set(config_dir)
     try:
         return target(**kwargs)
@@ -201,17 +177,72 @@ def iter_specs(node: Any, key: str):
                 yield from iter_specs(item, f"{key}[{i}]")
 
 
-def check_specs(cfg, config_dir: Path | None = None, skip: tuple[str, ...] = ()) -> None:
-    """Import every ``module`` and find every ``type`` now, before processes start.
+# What each section's builder injects (see the builders below).
+INJECTED = {
+    "optimizer": ("params",), "scheduler": ("optimizer",), "mlops": ("path",),
+    "evaluator": ("path",), "runner": ("path",),
+    "trainer": ("net", "losses", "optimizer", "scheduler", "train_loader", "test_loaders",
+                "metrics", "checkpoints", "logger", "precision", "device", "named_sets",
+                "resume_state", "extra_state"),
+}
+# Sections whose ``module``/``type`` may be left out, and the built-in used then.
+BUILT_IN = {
+    "trainer": ("echelon3.trainers.baseline", "Trainer"),
+    "mlops": ("echelon3.mlops", "DefaultLogger"),
+    "evaluator": ("echelon3.evaluate", "Evaluator"),
+    "runner": ("echelon3.run", "Runner"),
+}
 
-    Root keys in ``skip`` and the user's own ``_`` keys are left out; arguments
-    are checked when each section is built (it knows what it injects).
+
+def _section_specs(section: str, node: Any, dropped: tuple[str, ...]):
+    """(key, spec, config path of its arguments) of every triple in a root section,
+    the built-in of a section that leaves ``module``/``type`` out included."""
+    plain = to_plain(node)
+    prefix = None
+    if section == "target" and isinstance(plain, dict) and not is_spec(plain):
+        plain, prefix = {"module": "echelon3.checkpoint", "type": "CheckpointManager",
+                         "config": plain}, section
+    elif section in BUILT_IN and not is_spec(plain):
+        prefix = f"{section}.config" if "config" in (plain or {}) else section
+        plain = with_default_type(plain, section, *BUILT_IN[section])
+    if is_spec(plain) and isinstance(plain.get("config"), dict):
+        plain["config"] = {k: v for k, v in plain["config"].items() if k not in dropped}
+    if prefix is None:
+        for key, spec in iter_specs(plain, section):
+            yield key, spec, f"{key}.config"
+        return
+    yield section, plain, prefix
+    for key, spec in iter_specs(plain["config"], prefix):
+        yield key, spec, f"{key}.config"
+
+
+def check_specs(cfg, config_dir: Path | None = None, skip: tuple[str, ...] = (),
+                consumed: Mapping[str, tuple[str, ...]] | None = None) -> None:
+    """Import every ``module``, find every ``type`` and check every component's keyword
+    arguments (names and value types) now, before processes start or data is built.
+
+    Root keys in ``skip`` and the user's own ``_`` keys are left out; ``consumed`` names,
+    per section, keys the task reads itself rather than passing on (trainer's
+    ``precision``). Arguments echelon3 injects and required ones are checked at build time.
     """
     for section, node in cfg.items():
         if section in skip or str(section).startswith("_"):
             continue
-        for key, spec in iter_specs(node, str(section)):
-            resolve_type(spec, key, config_dir)
+        missing = sorted(OmegaConf.missing_keys(node)) if OmegaConf.is_config(node) else []
+        if missing:
+            raise BuildError(missing[0], "has no value ('???'); set it in the YAML or with "
+                             f"{missing[0]}=...")
+        dropped = tuple((consumed or {}).get(section, ()))
+        for key, spec, prefix in _section_specs(str(section), node, dropped):
+            target = resolve_type(spec, key, config_dir)
+            kwargs = to_plain(spec.get("config")) or {}
+            if not isinstance(kwargs, dict):
+                continue  # reported with its key when the section is built
+            built_later = [k for k, v in kwargs.items() if is_spec(v)]
+            injected = INJECTED.get(key, ()) if key == section else ()
+            check_arguments(target, kwargs, key, dict.fromkeys(injected), prefix=prefix,
+                            require=False,
+                            skip_types=(*getattr(target, "lazy_specs", ()), *built_later))
 
 
 # --------------------------------------------------------------------------- section builders

@@ -178,11 +178,18 @@ class CheckpointManager:
                  if (m := _ROLLING.match(p.name))]
         return [p for _, p in sorted(found, reverse=True)]
 
-    def save_checkpoint(self, state: dict[str, Any], epoch: int) -> None:
-        """Write ``checkpoint-<epoch>.tar`` and apply retention; returns at once off rank 0."""
+    def save_checkpoint(self, state: dict[str, Any], epoch: int, best: bool = False) -> None:
+        """Write ``checkpoint-<epoch>.tar`` and apply retention; returns at once off rank 0.
+
+        ``best``: the same state is also the keep-best winner; ``best.tar`` becomes a hard
+        link to this file instead of a second write.
+        """
         if not is_main():
             return
-        atomic_save(state, self.path / f"checkpoint-{epoch}.tar")
+        path = self.path / f"checkpoint-{epoch}.tar"
+        atomic_save(state, path)
+        if best:
+            self._link_best(path)
         for old in self.rolling():  # mid-epoch ones are superseded by a full epoch
             if "-step" in old.name:
                 old.unlink(missing_ok=True)
@@ -202,6 +209,17 @@ class CheckpointManager:
         if not is_main():
             return
         atomic_save(state, self.path / KEPT_BEST)
+        self._publish_best()
+
+    def _link_best(self, source: Path) -> None:
+        """Make ``source`` the keep-best winner without writing it again."""
+        tmp = self.path / f".{BEST}.{os.getpid()}.keep.link"
+        try:
+            tmp.unlink(missing_ok=True)
+            os.link(source, tmp)
+            os.replace(tmp, self.path / KEPT_BEST)
+        except OSError as e:
+            raise write_error(self.path / KEPT_BEST, e) from e
         self._publish_best()
 
     def _publish_best(self) -> None:

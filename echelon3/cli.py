@@ -19,7 +19,8 @@ from echelon3 import profiles
 # Sections only another task builds; their components are not imported up front.
 OTHER_TASKS_ONLY = {"train": ("evaluator", "runner", "export"),
                     "finetune": ("evaluator", "runner", "export"),
-                    "evaluate": ("runner", "export"), "run": ("evaluator", "export"),
+                    "evaluate": ("runner", "trainer", "mlops", "export"),
+                    "run": ("evaluator", "trainer", "mlops", "export"),
                     "export": ("evaluator", "runner", "dataloaders", "loss", "metrics", "optimizer",
                                "scheduler", "trainer", "mlops")}
 
@@ -96,13 +97,17 @@ def _execute(args) -> None:
     from echelon3.build import check_specs
 
     module, function, _ = TASKS[args.command]
-    task = getattr(importlib.import_module(module), function)
+    task_module = importlib.import_module(module)
+    task = getattr(task_module, function)
+    # trainer.config keys the task reads itself instead of passing them to the Trainer
+    consumed = {"trainer": tuple(getattr(task_module, "RUNTIME_KEYS", ()))}
 
     held = contextlib.ExitStack()  # target.path's lock, claimed once the checks pass
 
     def validate(plan):
         data.check_batch_sizes(rc.cfg.get("dataloaders"), plan.world_size)
-        check_specs(rc.cfg, rc.config_dir, skip=OTHER_TASKS_ONLY[args.command])
+        check_specs(rc.cfg, rc.config_dir, skip=OTHER_TASKS_ONLY[args.command],
+                    consumed=consumed)
         held.enter_context(lock.for_launch(args.command, rc.cfg))
 
     with held:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import subprocess
 import uuid
 from dataclasses import dataclass
@@ -151,6 +152,42 @@ def unwrap(model):
             model = model._orig_mod
         else:
             return model
+
+
+# --------------------------------------------------------------------------- who runs where
+
+_hosts: list[tuple[str, str]] = []  # (host name, address) of every rank, in rank order
+# gloo: "Connection closed by peer [10.0.0.2]:4011", "Read error [10.0.0.2]:4011: Connection
+# reset by peer", "Write error ... Broken pipe"
+_PEER_GONE = re.compile(r"by peer|Broken pipe|Read error|Write error")
+_PEER_ADDRESS = re.compile(r"\[([^\]/\s]+)\]:\d+")
+
+
+def share_hosts() -> list[tuple[str, str]]:
+    """Every rank's host name and address (one all-gather at start-up)."""
+    host = socket.gethostname()
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        address = "?"
+    _hosts[:] = all_gather_object((host, address))
+    return list(_hosts)
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """'rank 1 on node2 (10.0.0.2)' when a collective failed because that peer's connection
+    closed (its process or node is gone); None for any other error."""
+    match = _PEER_ADDRESS.search(str(error))
+    if not match or not _PEER_GONE.search(str(error)):
+        return None
+    address = match.group(1)
+    ranks = [r for r, (_, a) in enumerate(_hosts) if a == address and r != get_rank()]
+    if not ranks:
+        return f"the rank at {address}"
+    host = _hosts[ranks[0]][0]
+    names = f"rank {ranks[0]}" if len(ranks) == 1 else \
+        f"one of ranks {', '.join(map(str, ranks))}"
+    return f"{names} on {host} ({address})"
 
 
 # --------------------------------------------------------------------------- process group

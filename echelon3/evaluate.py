@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm  # not tqdm.auto: its asyncio variant opens every loader twice
 
 from echelon3.checkpoint import atomic_write_text
 from echelon3.dist import all_reduce_sum_, is_main
@@ -49,8 +49,11 @@ def match_target(pred: torch.Tensor, target: torch.Tensor, float_labels: bool = 
 def weighted_loss(losses: Mapping, pred, target, float_labels: bool = False):
     """Σ weight · loss(pred, target) -> (total, {name: part})."""
     pred, target = match_target(pred, target, float_labels)
-    parts = {name: fn(pred, target) for name, (fn, _) in losses.items()}
-    total = sum(weight * parts[name] for name, (_, weight) in losses.items())
+    parts, total = {}, None
+    for name, (fn, weight) in losses.items():
+        parts[name] = part = fn(pred, target)
+        term = part if weight == 1 else weight * part  # no extra kernel for weight 1
+        total = term if total is None else total + term
     return total, parts
 
 

@@ -13,7 +13,8 @@ run starts fresh: a run that resumes takes its weights from its own checkpoint.
 With ``strict: false`` tensors whose name and shape match are loaded and one line
 lists what was loaded, skipped (shape differs or not in the network) and missing
 (in the network, not in the checkpoint). The source's identity (a hash of its
-weights) is part of the run's fingerprint, so new parent weights make a new run.
+weights) is recorded as ``init_from.sha256``, so it is part of the run's
+fingerprint and saved config: new parent weights make a new run.
 
 Frozen parameters get ``requires_grad = False`` before the optimizer and DDP
 are built, so neither sees them (DDP registers only parameters that require
@@ -38,7 +39,7 @@ from echelon3.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 
-INIT_KEYS = ("checkpoint", "strict")
+INIT_KEYS = ("checkpoint", "strict", "sha256")  # sha256: written by echelon3
 FINETUNE_KEYS = ("freeze_patterns", "param_groups")
 
 
@@ -145,9 +146,15 @@ class WarmStart:
         return self._state
 
     def identity(self) -> str | None:
-        """Hash of the source weights (for the fingerprint), or None without ``init_from``."""
+        """Hash of the source weights, or None without ``init_from``."""
         state = self.source()
         return weights_hash(state) if state is not None else None
+
+    def record(self, cfg) -> None:
+        """Write the source weights' hash into the config as ``init_from.sha256``: it is then
+        part of the run's fingerprint and of its saved config.yaml."""
+        if self.path is not None:
+            cfg.init_from.sha256 = self.identity()
 
     def load(self, net: torch.nn.Module) -> None:
         """Warm start a fresh run (a resumed one has its own weights)."""

@@ -189,12 +189,19 @@ def run_worker(task: Task, rc: RunConfig, plan: Plan) -> None:
     device = worker_device(plan, launcher)
     dist.setup_process_group(launcher, "nccl" if device.type == "cuda" else "gloo")
     try:
+        if launcher.world_size > 1:
+            log.info("ranks: %s", ", ".join(f"{r} on {host}" for r, (host, _)
+                                            in enumerate(dist.share_hosts())))
         task(rc, device, launcher)
     except (RuntimeError, ConnectionError, EOFError) as e:
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         if _loader_worker_died(e):
-            detail = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise dist.WorkerFailed(f"a DataLoader worker died ({detail}); {dist.OOM_HINT}",
                                     1) from e
+        lost = dist.lost_peer(e)
+        if lost:
+            raise dist.WorkerFailed(f"lost {lost}: its process or node is gone; stopping "
+                                    f"now, resume from the last checkpoint ({detail})", 1) from e
         raise
     finally:
         dist.teardown_process_group()

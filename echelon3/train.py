@@ -25,7 +25,7 @@ from echelon3 import __version__, build, preemption
 from echelon3 import lock as run_lock
 from echelon3.checkpoint import (BEST, KEPT_BEST, CheckpointManager, atomic_write_text,
                                  load_weights)
-from echelon3.config import RunConfig, require
+from echelon3.config import RunConfig, changed_keys, require
 from echelon3.data import create_dataloaders
 from echelon3.ddp import DDP_KEYS, check_settings, wrap
 from echelon3.dist import is_main
@@ -33,6 +33,7 @@ from echelon3.errors import CheckpointError, ConfigError
 from echelon3.finetune import WarmStart, scale_group_lrs
 from echelon3.mlops import NoOpLogger
 from echelon3.precision import Precision
+from echelon3.summary import SUMMARY, finish, forget_unfinished
 from echelon3.tasks import seed_everything
 from echelon3.trainers.baseline import is_closure_optimizer
 
@@ -69,12 +70,9 @@ def runtime_settings(cfg) -> dict:
     return settings
 
 
-def fingerprint(cfg, init_weights: str | None = None) -> str:
-    """A hash of what defines the run (see VOLATILE for what does not), and of the
-    weights it starts from (``init_from``)."""
-    data = OmegaConf.to_container(cfg, resolve=True)
-    if init_weights is not None:
-        data["init_from"]["weights"] = init_weights
+def identity(data: dict) -> dict:
+    """What defines the run, from the resolved config (see VOLATILE for what does not)."""
+    data = json.loads(json.dumps(data, default=str))
     for dotted in VOLATILE:
         *parents, last = dotted.split(".")
         node = data
@@ -85,8 +83,26 @@ def fingerprint(cfg, init_weights: str | None = None) -> str:
     for loader in (data.get("dataloaders") or {}).values():
         for key in _LOADER_VOLATILE:
             ((loader or {}).get("config") or {}).pop(key, None)
-    data = {k: v for k, v in data.items() if not str(k).startswith("_")}
+    return {k: v for k, v in data.items() if not str(k).startswith("_")}
+
+
+def fingerprint(cfg) -> str:
+    """A hash of :func:`identity`."""
+    data = identity(OmegaConf.to_container(cfg, resolve=True))
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def config_changes(cfg, state: dict, folder: Path) -> str:
+    """``key: old -> new, ...`` between the checkpoint's config (or the folder's
+    config.yaml, for checkpoints older than that record) and this one."""
+    if "run_identity" in state:
+        old = json.loads(state["run_identity"])
+    elif (folder / "config.yaml").is_file():
+        old = identity(OmegaConf.to_container(OmegaConf.load(folder / "config.yaml")))
+    else:
+        return ""
+    changes = changed_keys(old, identity(OmegaConf.to_container(cfg, resolve=True)))
+    return f" ({'; '.join(changes)})" if changes else ""
 
 
 def find_resume_state(cfg, checkpoints: CheckpointManager, fp: str):
@@ -109,9 +125,10 @@ def find_resume_state(cfg, checkpoints: CheckpointManager, fp: str):
                     "resume)", path)
         return found
     if policy == "error":
-        raise CheckpointError(str(checkpoints.path), "holds checkpoints of a different config; "
-                              "use another target.path, or set on_config_change=restart "
-                              "(moves them aside) or on_config_change=resume")
+        raise CheckpointError(str(checkpoints.path), "holds checkpoints of a different config"
+                              f"{config_changes(cfg, state, checkpoints.path)}; use another "
+                              "target.path, or set on_config_change=restart (moves them aside) "
+                              "or on_config_change=resume")
     if is_main():
         aside = checkpoints.path / time.strftime("superseded-%Y%m%d-%H%M%S")
         aside.mkdir()
@@ -135,12 +152,7 @@ def write_run_config(cfg, path: Path) -> None:
     atomic_write_text(path / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(data)))
 
 
-def train(rc: RunConfig, device, launcher) -> None:
-    with run_lock.for_worker(rc.cfg):
-        _train(rc, device, launcher)
-
-
-def _train(rc: RunConfig, device, launcher) -> None:
+def assemble_and_fit(rc: RunConfig, device, launcher):
     cfg = rc.cfg
     require(cfg, "net", "data", "dataloaders", "loss", "optimizer", "trainer", "target",
             task="train")
@@ -153,7 +165,8 @@ def _train(rc: RunConfig, device, launcher) -> None:
     warm = WarmStart(cfg, rc.config_dir)
     net = build.build_net(cfg, rc.config_dir)
     params = warm.apply(net)  # frozen parameters: out of the optimizer and of DDP
-    fp = fingerprint(cfg, warm.identity())
+    warm.record(cfg)  # the source weights' hash joins the run's identity
+    fp = fingerprint(cfg)
     path, state = find_resume_state(cfg, checkpoints, fp) or (None, None)
     if state is not None:
         load_weights(net, state, path)
@@ -180,6 +193,8 @@ def _train(rc: RunConfig, device, launcher) -> None:
     # dropout masks and augmentations.
     seed_everything(seed + launcher.rank)
 
+    if is_main():
+        (checkpoints.path / SUMMARY).unlink(missing_ok=True)  # written again when done
     write_run_config(cfg, checkpoints.path)
     logger = build.build_mlops(cfg, str(checkpoints.path), rc.config_dir) if is_main() \
         else NoOpLogger()
@@ -188,8 +203,28 @@ def _train(rc: RunConfig, device, launcher) -> None:
         optimizer=optimizer, scheduler=scheduler, train_loader=train_loader,
         test_loaders=test_loaders, metrics=metrics, checkpoints=checkpoints, logger=logger,
         precision=precision, device=device, named_sets=named, resume_state=state,
-        extra_state={"config_fingerprint": fp})
+        extra_state={"config_fingerprint": fp, "run_identity": json.dumps(
+            identity(OmegaConf.to_container(cfg, resolve=True)), default=str)})
     try:
         trainer.fit()
     finally:
         logger.close()
+    return trainer
+
+
+def train(rc: RunConfig, device, launcher) -> None:
+    with run_lock.for_worker(rc.cfg):
+        _train(rc, device, launcher)
+
+
+def _train(rc: RunConfig, device, launcher) -> None:
+    """Assemble and fit; close with a summary, or take back a run folder that never
+    reached its first checkpoint."""
+    started = time.time()
+    folder = build.build_target(rc.cfg, rc.config_dir).path
+    try:
+        trainer = assemble_and_fit(rc, device, launcher)
+    except BaseException:
+        forget_unfinished(folder, started)
+        raise
+    finish(folder, getattr(trainer, "epoch", 0), started)

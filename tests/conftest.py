@@ -91,7 +91,7 @@ def probe(tmp_path):
     return tmp_path, lambda **kw: probe_config(tmp_path, **kw)
 
 
-from tests.slurm.cluster import slurm_cluster  # noqa: E402,F401  (session fixture: a real local SLURM)
+from tests.slurm.cluster import slurm_cluster, slurm_two_nodes  # noqa: E402,F401  (session fixtures: a real local SLURM)
 
 
 def pytest_collection_modifyitems(config, items):

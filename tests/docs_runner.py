@@ -96,6 +96,9 @@ def _options(mark: str) -> dict[str, str]:
     if mark.startswith("skip"):
         if not mark.removeprefix("skip").strip():
             raise AssertionError("a skipped docs example must say why: <!-- test: skip because ... -->")
+        for path in re.findall(r"\b((?:tests|benchmarks|workflow)/[\w/.-]+\.py)\b", mark):
+            if not (REPO / path).is_file():
+                raise AssertionError(f"a skip reason names {path}, which does not exist")
         return {"skip": mark}
     options = {}
     for word in mark.split():
@@ -274,7 +277,9 @@ def compose_and_check(project: Path, text: str, file: str | None) -> None:
         gpus, nproc = rc.cfg.get("gpus"), rc.cfg.get("nproc")
         world = len(gpus) if gpus is not None and not isinstance(gpus, int) else (nproc or 1)
         data.check_batch_sizes(rc.cfg.get("dataloaders"), world)
-        build.check_specs(rc.cfg, rc.config_dir)
+        from echelon3.train import RUNTIME_KEYS  # trainer.config keys train reads itself
+
+        build.check_specs(rc.cfg, rc.config_dir, consumed={"trainer": tuple(RUNTIME_KEYS)})
     finally:
         os.chdir(cwd)
     assert yaml.safe_load(out.getvalue()), "--print-config printed nothing"

@@ -93,8 +93,12 @@ def target(folder: Path) -> Path:
 
 
 def history(run_dir: Path, split: str | None = None) -> list[dict]:
+    """The records of ``split``; without one, all but the ``time`` records (wall-clock
+    measurements, never equal between two runs)."""
     records = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
-    return [r for r in records if split is None or r["split"] == split]
+    if split is None:
+        return [r for r in records if r["split"] != "time"]
+    return [r for r in records if r["split"] == split]
 
 
 def load(path: Path) -> dict:

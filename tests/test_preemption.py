@@ -43,7 +43,7 @@ def _args(directory: Path, world: int) -> list[str]:
 def _history(directory: Path) -> list[dict]:
     """The run's train and validation records (losses, metrics, steps, learning rates)."""
     lines = (directory / "run" / "history.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+    return [r for r in map(json.loads, lines) if r["split"] != "time"]  # time: wall clock
 
 
 def _final(directory: Path) -> dict:

@@ -63,6 +63,7 @@ def test_two_tasks_get_one_gpu_each(slurm_cluster, tmp_path):
         [
             "sbatch",
             "--wait",
+            "--nodes=1",  # both fake GPUs of one node
             "--ntasks=2",
             "--cpus-per-task=1",
             "--gpus-per-task=1",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 from echelon3.checkpoint import atomic_write_text
@@ -85,7 +86,14 @@ class JsonlLogger(Logger):
 
 
 class TensorBoardLogger(Logger):
-    """Scalars to TensorBoard, tagged ``split/name``. The writer opens on the first record."""
+    """Scalars to TensorBoard, tagged ``split/name``. The writer opens on the first record.
+
+    Train records are handed to the writer in bursts, at most every ``HOLD_S`` seconds
+    (and at every other record and at close): each hand-over wakes the writer's thread,
+    which then competes with the training loop for the GIL.
+    """
+
+    HOLD_S = 2.0
 
     def __init__(self, log_dir: str | os.PathLike):
         from torch.utils.tensorboard import SummaryWriter  # fail here if it is missing
@@ -94,6 +102,8 @@ class TensorBoardLogger(Logger):
         self.log_dir = str(log_dir)
         self._writer = None
         self._purge_step: int | None = None
+        self._held: list[dict] = []
+        self._handed = time.monotonic()
 
     def rewind(self, step: int) -> None:
         # TensorBoard hides the events at or after purge_step that an earlier attempt wrote.
@@ -101,19 +111,30 @@ class TensorBoardLogger(Logger):
         self._purge_step = step + 1
 
     def log(self, record: dict) -> None:
+        self._held.append(record)
+        if record.get("split", "train") != "train" or \
+                time.monotonic() - self._handed >= self.HOLD_S:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
         try:
-            if self._writer is None:
+            if self._held and self._writer is None:
                 self._writer = self._writer_class(log_dir=self.log_dir,
                                                   purge_step=self._purge_step)
-            step = record.get("step", 0)
-            split = record.get("split", "train")
-            for name, value in record.items():
-                if name not in ("split", "epoch", "step") and isinstance(value, int | float):
-                    self._writer.add_scalar(f"{split}/{name}", value, step)
+            for record in self._held:
+                step = record.get("step", 0)
+                split = record.get("split", "train")
+                for name, value in record.items():
+                    if name not in ("split", "epoch", "step") and isinstance(value, int | float):
+                        self._writer.add_scalar(f"{split}/{name}", value, step)
         except OSError as e:
             raise write_error(self.log_dir, e) from e
+        finally:
+            self._held = []
+            self._handed = time.monotonic()
 
     def close(self) -> None:
+        self._hand_over()
         writer, self._writer = self._writer, None
         if writer is not None:
             try:

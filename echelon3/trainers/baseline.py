@@ -3,13 +3,20 @@
 Per step: zero grads, forward under the precision's autocast, the weighted sum
 of the configured losses, backward, optimizer step (closure optimizers get a
 closure). With ``grad_accum_steps: N`` the optimizer steps every N micro-batches
-(``trainers/accumulation.py``); ``global_step`` counts optimizer steps. The
-scheduler steps once per epoch. ``profile`` runs torch.profiler over a window of
-batches (``echelon3/profiling.py``). Validation runs
+(``accumulation.py``); ``global_step`` counts optimizer steps. The scheduler
+steps once per epoch. ``profile`` runs torch.profiler over a window of batches
+(``echelon3/profiling.py``). Validation runs
 ``times_to_validate_per_epoch`` times per epoch on every rank over its shard,
 through the network without its DDP wrapper; metrics reduce across ranks, so
 keep-best decides the same on every rank. Only rank 0 writes (checkpoint
 manager and logger enforce that).
+
+The hot loop never waits for the device: losses are averaged on the device
+between log points and read one log point later (``running.py``); batches are
+moved only when the device is not the CPU. Each epoch adds a ``split: time``
+record to the history, from :mod:`echelon3.bottleneck`, and the first
+steady-state epoch logs it with the lever to pull when the run is input- or
+launch-bound.
 """
 
 from __future__ import annotations
@@ -19,18 +26,19 @@ from typing import Any, Mapping, Sequence
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from tqdm.auto import tqdm
+from tqdm import tqdm  # not tqdm.auto: its asyncio variant opens every loader twice
 
 from echelon3 import preemption
+from echelon3.bottleneck import EpochClock, is_compiled
 from echelon3.checkpoint import rng_state, set_rng_state, strip_prefixes
 from echelon3.data import set_epoch, skip_batches
-from echelon3.dist import (all_gather_object, all_reduce_sum_, get_rank, get_world_size,
-                           is_main, unwrap)
+from echelon3.dist import all_gather_object, get_rank, get_world_size, is_main, unwrap
 from echelon3.errors import ConfigError
 from echelon3.evaluate import evaluate_sets, metric_name, split_batch, to_device, weighted_loss
 from echelon3.profiling import Profiler
 from echelon3.runtime import interrupted
 from echelon3.trainers.accumulation import Accumulation
+from echelon3.trainers.running import RunningLosses
 from echelon3.trainers.nonfinite import NonFiniteGuard
 from echelon3.trainers.selection import KeepBest
 
@@ -63,7 +71,7 @@ class Trainer:
                  times_to_validate_per_epoch: int = 1,
                  keep_best_on: Any = None, high_is_better: bool = True,
                  metrics_on: str | Sequence[str] | None = None, float_labels: bool = False,
-                 log_every_n_steps: int = 10, progress_bar: bool = True,
+                 log_every_n_steps: int = 50, progress_bar: bool = True,
                  nan_policy: str = "stop", grad_accum_steps: int = 1,
                  profile: Mapping | None = None):
         if int(epochs) < 1 or int(times_to_validate_per_epoch) < 1:
@@ -93,6 +101,10 @@ class Trainer:
         self.best_metrics: dict[str, float] | None = None
         self.last_metrics: dict[str, float] = {}
         self._rng = None  # RNG state to restore right before training resumes
+        self.move = torch.device(device).type != "cpu"  # batches already sit on the CPU
+        single = len(losses) == 1 and next(iter(losses.values()))[1] == 1
+        self.running = RunningLosses(["loss", *losses], same_as_total=single)
+        self._bar = None
         self._mid = None  # where a preempted epoch resumes (preemption.resume_point)
         self._epoch_rng = None  # RNG states as the epoch in progress began
         if resume_state is not None:
@@ -144,9 +156,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def train_step(self, batch, scale: float = 1.0, last: bool = True) -> dict[str, float]:
-        """One micro-batch: its loss x ``scale`` backward; the optimizer steps when ``last``."""
-        inputs, target = to_device(split_batch(batch), self.device)
+    def train_step(self, batch, scale: float = 1.0, last: bool = True) -> dict[str, torch.Tensor]:
+        """One micro-batch: its loss x ``scale`` backward, and the optimizer step when
+        ``last``; ``{"loss": total, name: part, ...}``, detached, on the device."""
+        inputs, target = split_batch(batch)
+        if self.move:
+            inputs, target = to_device((inputs, target), self.device)
         recorded: dict[str, torch.Tensor] = {}
 
         def forward_backward():
@@ -188,8 +203,9 @@ class Trainer:
                              metric_sets=self.metric_sets, float_labels=self.float_labels,
                              progress=self.progress_bar)
 
-    def validate(self, epoch: int) -> None:
-        """Validate during ``epoch`` (1-based, the epoch in progress or just finished)."""
+    def validate(self, epoch: int, save_best: bool = True) -> bool:
+        """Validate during ``epoch`` (1-based, the epoch in progress or just finished);
+        True when keep-best took this result (saved as best.tar if ``save_best``)."""
         self.nonfinite.check()
         metrics = self.evaluate()
         self.last_metrics = metrics
@@ -200,25 +216,71 @@ class Trainer:
         summary = " | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
         log.info("epoch %d step %d | %s%s", epoch, self.global_step, summary,
                  " | new best" if best else "")
-        if best:
+        if best and save_best:
             self.checkpoints.save_best(self.state_dict())
+        return best
 
     # ------------------------------------------------------------------ the loop
 
-    def _log_train(self, sums: dict[str, torch.Tensor], count: int) -> None:
-        self.nonfinite.check()
-        names = sorted(sums)
-        values = torch.stack([sums[n].float() for n in names]) / (count * get_world_size())
-        all_reduce_sum_(values)
-        record = {"split": "train", "epoch": self.epoch + 1, "step": self.global_step}
-        record.update({n: v.item() for n, v in zip(names, values)})
+    def _log(self, record: dict | None) -> None:
+        """Write a finished train record; the progress bar shows its loss."""
+        if record is None:
+            return
         record["lr"] = self.optimizer.param_groups[0]["lr"]
         self.logger.log(record)
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+
+    def _train_epoch(self, epoch: int, clock: EpochClock) -> bool:
+        """One epoch; True when the profiled window ended the run (``profile.stop_after``)."""
+        batches, done = self._start_epoch(epoch)
+        self.net.train()
+        steps, world = len(self.train_loader), get_world_size()
+        validate_at = {round(steps * (k + 1) / self.validations)
+                       for k in range(self.validations - 1)}
+        sample_at = self.log_every // 2 if clock.cuda else -1  # one device-timed step per log
+        self._bar = bar = tqdm(self.profiler.batches(clock.batches(batches)), total=steps,
+                               initial=done,
+                               desc=f"epoch {epoch + 1}/{self.epochs}",
+                               disable=None if self.progress_bar else True, dynamic_ncols=True)
+        stopped = False
+        for i, batch in enumerate(bar, start=done + 1):
+            if interrupted():
+                raise KeyboardInterrupt
+            scale, last = self.accum.window(i - 1, steps)
+            started = clock.step_started()
+            if i % self.log_every == sample_at:
+                parts = clock.sample_device(lambda: self.train_step(batch, scale, last))
+            else:
+                parts = self.train_step(batch, scale, last)
+            clock.step_ended(started)
+            self.global_step += int(last)  # counts optimizer steps
+            self.nonfinite.observe(epoch + 1, self.global_step, parts)
+            self.running.add(parts)
+            if i % self.log_every == 0 or i == steps:
+                self.nonfinite.check()
+                self._log(self.running.close_interval(
+                    {"split": "train", "epoch": epoch + 1, "step": self.global_step}))
+            if i in validate_at:
+                self._log(self.running.finish())
+                with clock.aside():
+                    self.validate(epoch + 1)
+            if preemption.stop_now(world, self.device):
+                self._preempt(i)
+            stopped = self.profiler.step()
+            if stopped:
+                log.info("stopping after the profiled batches (trainer.config.profile."
+                         "stop_after)")
+                break
+        self._log(self.running.finish())
+        bar.close()
+        self._bar = None
+        return stopped
 
     def _start_epoch(self, epoch: int):
-        """Set the epoch's data order and open its batches -> (batches, steps done, sums,
-        count). A preempted epoch continues after its last step, with that moment's RNG
-        states and unlogged sums; the loader draws its seed from the epoch-start state."""
+        """Set the epoch's data order and open its batches -> (batches, steps done).
+        A preempted epoch continues after its last step, with that moment's RNG states
+        and unlogged losses; the loader draws its seed from the epoch-start state."""
         set_epoch(self.train_loader, epoch)
         mid, self._mid = self._mid, None
         if mid is not None:
@@ -227,15 +289,16 @@ class Trainer:
         self._epoch_rng = rng_state()
         batches = iter(self.train_loader)
         if mid is None:
-            return batches, 0, {}, 0
+            return batches, 0
         set_rng_state(mid["rng"])
-        sums = {k: v.to(self.device) for k, v in mid["sums"].items()}
-        return batches, mid["step"], sums, mid["count"]
+        self.running.restore(mid["sums"], self.device)
+        return batches, mid["step"]
 
-    def _preempt(self, step: int, sums: dict, count: int) -> None:
+    def _preempt(self, step: int) -> None:
         """Checkpoint the epoch in progress (every rank takes part) and stop."""
+        self._log(self.running.finish())
         state = self.state_dict()
-        state["preempted"] = preemption.position(step, self._epoch_rng, sums, count)
+        state["preempted"] = preemption.position(step, self._epoch_rng, *self.running.unlogged())
         path = self.checkpoints.save_preempted(state)
         log.info("%s", preemption.report(self.epoch + 1, self.global_step, path))
         raise preemption.Preempted(str(path))
@@ -247,51 +310,36 @@ class Trainer:
         self.logger.rewind(self.global_step)
         if self.epoch >= self.epochs:
             log.info("nothing to train: %d of %d epochs already done", self.epoch, self.epochs)
-        steps = len(self.train_loader)
-        checkpoints_at = {round(steps * (k + 1) / self.validations) for k in
-                          range(self.validations - 1)}
+        clock = EpochClock(self.device, self.train_loader, compiled=is_compiled(self.net))
+        start = self.epoch
+        report_after = min(start + 1, self.epochs - 1)  # the first steady-state epoch
         self.profiler.start()
-        try:
-            self._epochs(steps, checkpoints_at)
-        finally:
-            self.profiler.stop()
-        self.checkpoints.ensure_best()
-        self.nonfinite.end_fit()
-        return self.best_metrics
-
-    def _epochs(self, steps: int, checkpoints_at: set[int]) -> None:
-        world = get_world_size()
         for epoch in range(self.epoch, self.epochs):
-            batches, done, sums, count = self._start_epoch(epoch)
-            self.net.train()
-            bar = tqdm(batches, desc=f"epoch {epoch + 1}/{self.epochs}", total=steps,
-                       initial=done, disable=None if self.progress_bar else True,
-                       dynamic_ncols=True)
-            for i, batch in enumerate(self.profiler.batches(bar), start=done + 1):
-                if interrupted():
-                    raise KeyboardInterrupt
-                scale, last = self.accum.window(i - 1, steps)
-                parts = self.train_step(batch, scale, last)
-                self.global_step += int(last)  # counts optimizer steps
-                self.nonfinite.observe(epoch + 1, self.global_step, parts)
-                for k, v in parts.items():
-                    sums[k] = sums.get(k, 0) + v
-                count += bool(parts)
-                if count and (i % self.log_every == 0 or i == steps):
-                    self._log_train(sums, count)
-                    bar.set_postfix(loss=f"{(sums['loss'] / count).item():.4f}")
-                    sums, count = {}, 0
-                if i in checkpoints_at:
-                    self.validate(epoch + 1)
-                if preemption.stop_now(world, self.device):
-                    self._preempt(i, sums, count)
-                if self.profiler.step():
-                    log.info("stopping after the profiled batches (%s.stop_after)",
-                             "trainer.config.profile")
-                    return
+            if self._train_epoch(epoch, clock):
+                break
             if self.scheduler is not None:
                 self.scheduler.step()
             self.epoch = epoch + 1
             self.nonfinite.end_epoch(self.epoch)
-            self.validate(self.epoch)
-            self.checkpoints.save_checkpoint(self.state_dict(), self.epoch)
+            with clock.aside():
+                best = self.validate(self.epoch, save_best=False)
+                self.checkpoints.save_checkpoint(self.state_dict(), self.epoch, best=best)
+            self._report_time(clock, first=epoch == report_after, warm=epoch > start)
+        self.profiler.stop()
+        self.checkpoints.ensure_best()
+        self.nonfinite.end_fit()
+        return self.best_metrics
+
+    def _report_time(self, clock: EpochClock, first: bool, warm: bool) -> None:
+        """Where the epoch's time went: in history every epoch, in the log once."""
+        report = clock.report()
+        self.logger.log({"split": "time", "epoch": self.epoch, "step": self.global_step,
+                         **report})
+        if warm and report.get("compiles"):
+            log.warning("torch.compile recompiled %d time(s) in epoch %d, after warm-up; "
+                        "TORCH_LOGS=recompiles says why", report["compiles"], self.epoch)
+        if first:
+            log.info(clock.summary(self.epoch, report))
+            lever = clock.lever(report)
+            if lever:
+                log.info(lever)

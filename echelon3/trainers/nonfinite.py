@@ -103,8 +103,9 @@ class NonFiniteGuard:
         if not window:
             return None
         names = [n for n in window[0][2] if n != "loss"] + ["loss"]
-        values = torch.stack([torch.stack([p[n].detach().float().reshape(()) for n in names])
-                              for _, _, p in window]).cpu()
+        # One stack per loss term (not one per step): the window is log_every_n_steps long.
+        values = torch.stack([torch.stack([p[n] for _, _, p in window]).float().reshape(-1)
+                              for n in names], dim=1).cpu()
         bad = ~torch.isfinite(values)
         if not bad.any():
             return None

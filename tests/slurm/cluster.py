@@ -1,9 +1,12 @@
-"""A real one-node SLURM cluster on localhost for tests (``cluster.sh``).
+"""A real SLURM cluster on this machine for tests (``cluster.sh``): two nodes, each a
+network and UTS namespace of its own, where namespaces work; else one node on localhost.
 
-Use the session fixture ``slurm_cluster``; it yields a :class:`SlurmCluster`
-whose ``env`` is a complete environment for ``subprocess`` calls (sbatch,
-srun, snakemake, ...). The fixture skips, with the reason, where SLURM cannot
-be installed or started here (not root, not Linux, apt-get failing).
+Use the session fixture ``slurm_cluster`` (any number of nodes) or
+``slurm_two_nodes`` (skips, naming why, when only one node could be made); both
+yield the same :class:`SlurmCluster`, whose ``env`` is a complete environment
+for ``subprocess`` calls (sbatch, srun, snakemake, ...). They skip, with the
+reason, where SLURM cannot be installed or started here (not root, not Linux,
+apt-get failing).
 
 Snakemake's SLURM executor plugin (2.8.0) against this cluster, which has no
 accounting and so no working ``sacct``::
@@ -127,6 +130,8 @@ class SlurmCluster:
     dir: Path
     conf: Path
     env: dict[str, str]
+    nodes: list[str]
+    one_node_reason: str | None = None
 
     def run(
         self,
@@ -158,7 +163,8 @@ class SlurmCluster:
     def logs(self) -> str:
         """Tails of the daemon logs, for failure messages."""
         parts = []
-        for log in (self.dir / "log/ctld/slurmctld.log", self.dir / "log/slurmd.log"):
+        for log in (self.dir / "log/ctld/slurmctld.log",
+                    *sorted(self.dir.glob("log/slurmd*.log"))):
             try:
                 tail = log.read_text(errors="replace").splitlines()[-40:]
             except OSError as e:
@@ -209,7 +215,10 @@ def cluster_up(directory: Path) -> SlurmCluster:
             f"cluster.sh up {directory} exited {result.returncode}\n{result.stderr}"
         )
     conf = Path(directory).resolve() / "etc" / "slurm.conf"
-    return SlurmCluster(dir=Path(directory).resolve(), conf=conf, env=client_env(conf))
+    said = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
+    return SlurmCluster(dir=Path(directory).resolve(), conf=conf, env=client_env(conf),
+                        nodes=said["NODES"].split(","),
+                        one_node_reason=said.get("ONE_NODE_REASON"))
 
 
 def cluster_down(directory: Path) -> None:
@@ -264,10 +273,18 @@ class _Shared:
 
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
-    """A running one-node SLURM cluster (2 fake GPUs, default partition
+    """A running SLURM cluster (2 fake GPUs per node, default partition
     ``main``) for the whole session; skipped where SLURM cannot run."""
     cluster = _Shared.acquire()
     try:
         yield cluster
     finally:
         _Shared.release()
+
+
+@pytest.fixture(scope="session")
+def slurm_two_nodes(slurm_cluster) -> SlurmCluster:
+    """The session's cluster, when it has two nodes; skipped, naming why, when not."""
+    if len(slurm_cluster.nodes) < 2:
+        pytest.skip(f"a two-node SLURM cluster cannot run here: {slurm_cluster.one_node_reason}")
+    return slurm_cluster

@@ -20,7 +20,7 @@ def _parents(cfg):
                 continue
             if parent not in EXPERIMENTS:
                 raise WorkflowError(
-                    f"config: {section}.{name}.init_from: no experiment named "
+                    f"{CONFIG_FILE}: {section}.{name}.init_from: no experiment named "
                     f"'{parent}' (experiments: {', '.join(sorted(EXPERIMENTS))})"
                 )
             parents.update(dict.fromkeys(_points(section, name), parent))
@@ -35,7 +35,7 @@ def _refuse_cycles(parents):
             if chain[-1] in chain[:-1]:
                 loop = chain[chain.index(chain[-1]) :]
                 raise WorkflowError(
-                    f"config: init_from makes a cycle: {' -> '.join(loop)}; "
+                    f"{CONFIG_FILE}: init_from makes a cycle: {' -> '.join(loop)}; "
                     "an experiment cannot start from its own descendants"
                 )
 

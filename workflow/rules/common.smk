@@ -1,4 +1,5 @@
-"""Helpers shared by the rules: the experiment table, inputs, params, resources."""
+"""Helpers shared by the rules: the experiment table, inputs, params, resources.
+CONFIG_FILE comes from checks.smk, included before."""
 
 import itertools
 import keyword
@@ -19,8 +20,16 @@ GPU_LOCK = os.path.relpath(Path(workflow.current_basedir) / "../scripts/gpu_lock
 
 # torchrun's rendezvous: the batch script of a SLURM job runs on the first node
 # of its allocation, so that node's name is the endpoint; the port is spread by
-# job id so that jobs sharing a node do not collide.
+# job id so that jobs sharing a node do not collide, and a resubmitted job (a
+# new id) never meets the remains of the last attempt.
 RDZV_ENDPOINT = "$(hostname):$((29500 + SLURM_JOB_ID % 20000))"
+
+# torchrun's agent catches these and passes them on to its workers, then waits
+# for them: SIGTERM (preemption, scancel, wall time) and the early-warning
+# signal the profile asks SLURM for (--signal=USR1@...). Without USR1 here the
+# agent would die of it. (PET_* is how torchrun reads its options from the
+# environment; an older torchrun ignores it.)
+TORCHRUN_SIGNALS = "PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
 # --- the experiment table -----------------------------------------------------
@@ -39,11 +48,11 @@ def _sweep_experiments(sweep_name, sweep):
     labels = [key.rsplit(".", 1)[-1] for key in keys]
     seen = {}
     for key, label in zip(keys, labels):
-        where = f"config: sweeps.{sweep_name}.grid"
+        where = f"{CONFIG_FILE}: sweeps.{sweep_name}.grid"
         if label in seen:
             raise WorkflowError(
                 f"{where}: '{seen[label]}' and '{key}' both end in '{label}', "
-                "which names the experiments; sweep them in two sweeps"
+                "which names the experiments; sweep them in two sweeps",
             )
         if keyword.iskeyword(label):
             raise WorkflowError(f"{where}: '{key}' ends in a Python keyword")
@@ -58,22 +67,20 @@ def _sweep_experiments(sweep_name, sweep):
             "config": sweep["config"],
             "overrides": list(sweep["overrides"]) + grid_overrides,
             "resources": deepcopy(sweep["resources"]),
+            "sweep": sweep_name,
+            "point": dict(zip(labels, row)),
         }
 
 
 def _check_launcher(where, resources):
-    """`launcher: srun` makes one SLURM task per GPU of one node."""
+    """`launcher: srun` makes one SLURM task per GPU, or per node on the CPU."""
     if resources["launcher"] != "srun":
         return
-    if resources["gpus"] < 1:
+    if resources["gpus"] < 1 and resources["nodes"] < 2:
         raise WorkflowError(
-            f"config: {where}.resources.launcher: srun starts one task per GPU; "
-            "set resources.gpus to 1 or more, or drop the launcher"
-        )
-    if resources["nodes"] > 1:
-        raise WorkflowError(
-            f"config: {where}.resources.launcher: srun runs on one node; "
-            "set resources.nodes to 1, or drop the launcher (torchrun across nodes)"
+            f"{CONFIG_FILE}: {where}.resources.launcher: srun starts one task per GPU (one "
+            "per node on the CPU); set resources.gpus to 1 or more, or resources.nodes "
+            "to 2 or more, or drop the launcher"
         )
 
 
@@ -89,8 +96,8 @@ def _experiments(cfg):
     for sweep_name, sweep in cfg["sweeps"].items():
         if sweep_name in experiments:
             raise WorkflowError(
-                f"config: sweeps.{sweep_name}: an experiment has the same name; "
-                "rename one of them"
+                f"{CONFIG_FILE}: sweeps.{sweep_name}: "
+                "an experiment has the same name; rename one of them",
             )
         experiments.update(_sweep_experiments(sweep_name, sweep))
     for section in ("experiments", "sweeps"):
@@ -98,7 +105,8 @@ def _experiments(cfg):
             _check_launcher(f"{section}.{name}", spec["resources"])
     if not experiments:
         raise WorkflowError(
-            "config: no experiments; list at least one under 'experiments:' or 'sweeps:'"
+            f"{CONFIG_FILE}: experiments: none listed; "
+            "list at least one under 'experiments:' or 'sweeps:'"
         )
     return experiments
 
@@ -122,6 +130,7 @@ def curve_plot(exp):
     """The learning-curve plot of one experiment, registered for the HTML report."""
     return report(
         f"results/plots/curves/{exp}.png",
+        caption="../report/curves.rst",
         category="Learning curves",
         labels={"experiment": exp},
     )
@@ -131,13 +140,40 @@ def curve_plots():
     return [curve_plot(exp) for exp in EXPERIMENTS]
 
 
+def sweep_plot(name):
+    """The chart of one sweep: the ranking metric against the swept value."""
+    return report(
+        f"results/plots/sweeps/{name}.png",
+        caption="../report/sweep.rst",
+        category="Sweeps",
+        labels={"sweep": name},
+    )
+
+
+def sweep_plots():
+    return [sweep_plot(name) for name in config["sweeps"]]
+
+
+def sweep_points():
+    """For the report: each sweep's grid keys (as in the experiment names) and the
+    point of every experiment it made."""
+    sweeps = {
+        name: {"keys": [k.rsplit(".", 1)[-1] for k in sweep["grid"]], "points": {}}
+        for name, sweep in config["sweeps"].items()
+    }
+    for exp, spec in EXPERIMENTS.items():
+        if "point" in spec:
+            sweeps[spec["sweep"]]["points"][exp] = spec["point"]
+    return sweeps
+
+
 def report_labels():
     """What the leaderboard shows of each experiment besides its metrics."""
     return {
         name: {
             "config": spec["config"],
             "overrides": spec["overrides"],
-            "model": exported_model(name),  # export.smk
+            "model": exported_model(name),  # chains.smk
         }
         for name, spec in EXPERIMENTS.items()
     }
@@ -149,9 +185,11 @@ def all_targets():
         *results("results/{exp}/predictions.csv"),
         "results/leaderboard.csv",
         "results/leaderboard.md",
+        "results/leaderboard.html",
         *results("results/plots/curves/{exp}.png"),
         "results/plots/metrics.png",
-        *export_targets(),  # export.smk
+        *expand("results/plots/sweeps/{sweep}.png", sweep=config["sweeps"]),
+        *export_targets(),  # chains.smk
     ]
 
 
@@ -229,7 +267,7 @@ def launch(wildcards, resources):
         if res["launcher"] == "srun":
             return resources.mpi
         return (
-            f"{resources.mpi} torchrun --nnodes {res['nodes']}"
+            f"{TORCHRUN_SIGNALS} {resources.mpi} torchrun --nnodes {res['nodes']}"
             f" --nproc_per_node {max(res['gpus'], 1)}"
             f" --rdzv_backend c10d --rdzv_endpoint {RDZV_ENDPOINT}"
             " --rdzv_id $SLURM_JOB_ID --no-python"
@@ -264,8 +302,13 @@ def _multinode(wildcards):
 
 
 def _srun_tasks(wildcards):
-    """`launcher: srun`: one SLURM task per GPU (one node, checked above)."""
+    """`launcher: srun`: one SLURM task per rank."""
     return _res(wildcards)["launcher"] == "srun"
+
+
+def _ranks_per_node(wildcards):
+    """One rank per GPU, or one per node on the CPU."""
+    return max(_res(wildcards)["gpus"], 1)
 
 
 def nodes(wildcards):
@@ -280,7 +323,7 @@ def train_cpus_per_task(wildcards):
     """The node's cpus, split between the tasks when each GPU is a task."""
     res = _res(wildcards)
     if _srun_tasks(wildcards):
-        return max(1, res["cpus"] // res["gpus"])
+        return max(1, res["cpus"] // _ranks_per_node(wildcards))
     return res["cpus"]
 
 
@@ -313,9 +356,9 @@ def train_gres(wildcards):
 
 
 def train_tasks(wildcards):
-    """One task per GPU (`launcher: srun`), or one per node, each a torchrun."""
+    """One task per rank (`launcher: srun`), or one per node, each a torchrun."""
     if _srun_tasks(wildcards):
-        return _res(wildcards)["gpus"]
+        return _res(wildcards)["nodes"] * _ranks_per_node(wildcards)
     return _res(wildcards)["nodes"] if _multinode(wildcards) else None
 
 
@@ -330,7 +373,9 @@ def train_tasks_per_gpu(wildcards):
     """1 with `launcher: srun`: one task per GPU. Unset, the SLURM plugin would
     pass --ntasks-per-gpu=<tasks>, G tasks on every GPU, which leaves the job
     pending for good (reason PartitionConfig). Else as evaluate/run."""
-    return 1 if _srun_tasks(wildcards) else no_tasks_per_gpu(wildcards)
+    if _srun_tasks(wildcards) and _res(wildcards)["gpus"]:
+        return 1
+    return no_tasks_per_gpu(wildcards)
 
 
 def train_mpi(wildcards):
@@ -340,10 +385,13 @@ def train_mpi(wildcards):
     shape because the plugin clears SLURM_*."""
     res = _res(wildcards)
     if _srun_tasks(wildcards):
-        return (
-            f"srun --ntasks={res['gpus']} --gpus-per-task=1"
-            f" --cpus-per-task={train_cpus_per_task(wildcards)}"
-        )
+        per_node = _ranks_per_node(wildcards)
+        shape = f"srun --ntasks={res['nodes'] * per_node}"
+        if res["nodes"] > 1:
+            shape += f" --nodes={res['nodes']} --ntasks-per-node={per_node}"
+        if res["gpus"]:
+            shape += " --gpus-per-task=1"
+        return f"{shape} --cpus-per-task={train_cpus_per_task(wildcards)}"
     if res["nodes"] == 1:
         return None
     gres = f" --gres=gpu:{res['gpus']}" if res["gpus"] else ""

@@ -17,6 +17,7 @@ use rule train as finetune with:
         parent=parent_best,
     output:
         best=f"results/{{exp,{CHILDREN}}}/best.tar",
+        summary=f"results/{{exp,{CHILDREN}}}/summary.json",
     params:
         config_dir=config_dir,
         config_name=config_name,

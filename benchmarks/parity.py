@@ -1,0 +1,165 @@
+"""echelon3 against the loop a researcher writes by hand, on the same work, side by side.
+
+    python benchmarks/parity.py [--runs 3] [--rows MLP] [--smoke] [--no-append]
+
+For each row of ``workloads.py`` the hand-written loop (``handwritten.py``) and
+``echelon3 train`` run alternately (A/B, then B/A, ...). The time per epoch is
+the steady state: from the end of epoch 1 to the end of the last epoch, read
+from the mtimes of the per-epoch checkpoints, divided by the epochs in between.
+Both must reach the same validation loss in fp32 (same seed). The table goes to
+stdout and, with the machine, date and command, is appended to
+``benchmarks/RESULTS.md``. GPU rows run when CUDA is present, else say "no GPU".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.machine import append_results, cuda_available, machine_info  # noqa: E402
+from benchmarks.workloads import Workload, workloads  # noqa: E402
+
+
+def echelon3_config(w: Workload, target: Path) -> dict:
+    """The workload as an echelon3 run config."""
+    test = dict(w.data, config=dict(w.data["config"], split="test",
+                                    **({"size": w.test_size} if w.test_size else {})))
+    loader = {"num_workers": w.num_workers, "pin_memory": w.pin_memory}
+    metric_types = {"accuracy": ("MulticlassAccuracy", "micro"),
+                    "macro_f1": ("MulticlassF1Score", "macro")}
+    return {
+        "seed": 0, **({"device": "cpu"} if w.device == "cpu" else {"gpus": [0]}),
+        "net": w.net, "data": {"train": w.data, "test": test},
+        "dataloaders": {
+            "train": {"module": "torch.utils.data", "type": "DataLoader",
+                      "config": {"batch_size": w.batch_size, "shuffle": True,
+                                 "drop_last": w.drop_last, **loader}},
+            "test": {"module": "torch.utils.data", "type": "DataLoader",
+                     "config": {"batch_size": w.test_batch_size, **loader}}},
+        "loss": [{"ce": {"module": "torch.nn", "type": "CrossEntropyLoss", "weight": 1.0}}],
+        "metrics": [{m: {"module": "torchmetrics.classification", "type": metric_types[m][0],
+                         "config": {"num_classes": 10, "average": metric_types[m][1]}}}
+                    for m in w.metrics],
+        "optimizer": w.optimizer, "scheduler": w.scheduler,
+        "trainer": {"module": "echelon3.trainers.baseline", "type": "Trainer",
+                    "config": {"epochs": w.epochs, "precision": w.precision,
+                               "keep_best_on": "accuracy", **w.trainer_extra}},
+        "target": {"path": str(target), "checkpoints_to_keep": w.epochs},
+    }
+
+
+def steady_epoch_seconds(folder: Path, epochs: int) -> float:
+    """Seconds per epoch from the end of epoch 1 to the end of the last one."""
+    times = [(folder / f"checkpoint-{e}.tar").stat().st_mtime for e in (1, epochs)]
+    return (times[1] - times[0]) / (epochs - 1)
+
+
+def run_side(side: str, w: Workload, work: Path, smoke: bool,
+             threads: int) -> tuple[float, float, str]:
+    """(steady seconds per epoch, final validation loss, echelon3's limit line)."""
+    out = work / f"{side}-{time.monotonic_ns()}"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    if side == "hand":
+        cmd = [sys.executable, str(REPO / "benchmarks" / "handwritten.py"), w.name, str(out)]
+        cmd += ["--smoke"] if smoke else []
+    else:
+        config = work / "parity.yaml"
+        config.write_text(yaml.safe_dump(echelon3_config(w, out)))
+        cmd = [sys.executable, "-m", "echelon3", "train", "-cd", str(work), "-cn", "parity"]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{side} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    if side == "hand":
+        loss = json.loads((out / "final.json").read_text())["loss"]
+        limit = ""
+    else:
+        records = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+        loss = [r for r in records if r.get("split") == "val"][-1]["loss"]
+        lines = [line for line in done.stderr.splitlines() if "-bound: " in line]
+        limit = lines[-1].split("] ", 1)[-1] if lines else ""
+    return steady_epoch_seconds(out, w.epochs), loss, limit
+
+
+def measure(w: Workload, runs: int, smoke: bool, threads: int) -> dict:
+    times: dict[str, list[float]] = {"hand": [], "echelon3": []}
+    losses: dict[str, float] = {}
+    limit = ""
+    with tempfile.TemporaryDirectory(prefix="parity-") as tmp:
+        for k in range(runs):
+            order = ("hand", "echelon3") if k % 2 == 0 else ("echelon3", "hand")
+            for side in order:
+                seconds, losses[side], found = run_side(side, w, Path(tmp), smoke, threads)
+                limit = found or limit
+                times[side].append(seconds)
+    hand, ours = times["hand"], times["echelon3"]
+    same = abs(losses["hand"] - losses["echelon3"]) <= 1e-5 * max(1.0, abs(losses["hand"]))
+    return {"row": w.name, "hand_min": min(hand), "hand_median": statistics.median(hand),
+            "ours_min": min(ours), "ours_median": statistics.median(ours),
+            "ratio_min": min(ours) / min(hand),
+            "ratio_median": statistics.median(ours) / statistics.median(hand),
+            "loss_hand": losses["hand"], "loss_ours": losses["echelon3"],
+            "same_loss": same if w.precision == "fp32" else None, "limit": limit}
+
+
+def table(results: list[dict], runs: int, threads: int) -> str:
+    lines = [f"| workload | hand-written s/epoch (min / median) | echelon3 s/epoch (min / median) "
+             f"| ratio min | ratio median | same final loss (fp32) | echelon3 says |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "skipped" in r:
+            lines.append(f"| {r['row']} | {r['skipped']} | | | | | |")
+            continue
+        same = {True: "yes", False: "NO", None: "n/a (bf16)"}[r["same_loss"]]
+        lines.append(
+            f"| {r['row']} | {r['hand_min']:.3f} / {r['hand_median']:.3f} "
+            f"| {r['ours_min']:.3f} / {r['ours_median']:.3f} | **{r['ratio_min']:.3f}** "
+            f"| {r['ratio_median']:.3f} | {same} ({r['loss_ours']:.6f}) | {r['limit']} |")
+    lines.append(f"\n{runs} A/B-alternated runs per side; steady state = epochs 2..E; "
+                 f"OMP_NUM_THREADS={threads or 'default'}.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3, help="runs per side (default 3)")
+    parser.add_argument("--rows", default="", help="only rows whose name contains this")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="OMP_NUM_THREADS for both sides (default 1: steady on a shared "
+                        "machine; 0 leaves torch's default)")
+    parser.add_argument("--smoke", action="store_true", help="tiny rows: a correctness run")
+    parser.add_argument("--no-append", action="store_true", help="do not write RESULTS.md")
+    args = parser.parse_args(argv)
+    results = []
+    for w in workloads(args.smoke).values():
+        if args.rows.lower() not in w.name.lower():
+            continue
+        if w.device == "cuda" and not cuda_available():
+            results.append({"row": w.name, "skipped": "no GPU"})
+            print(f"{w.name}: no GPU", flush=True)
+            continue
+        results.append(measure(w, args.runs, args.smoke, args.threads))
+        print(f"{w.name}: ratio {results[-1]['ratio_min']:.3f}", flush=True)
+    text = table(results, args.runs, args.threads)
+    print(text)
+    if not args.no_append:
+        append_results("parity", text, argv)
+    failed = [r for r in results if r.get("same_loss") is False]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
