@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -25,6 +26,11 @@ log = logging.getLogger(__name__)
 SUMMARY = "summary.json"
 # What a run writes before its first checkpoint (see forget_unfinished).
 EARLY_FILES = ("config.yaml", "history.jsonl", "tensorboard", SUMMARY)
+
+
+def _natural(name: str) -> list:
+    """checkpoint-9.tar before checkpoint-10.tar."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def best_checkpoint(folder: Path) -> dict | None:
@@ -42,10 +48,10 @@ def finish(folder: Path, epochs: int, started: float) -> dict | None:
     if not is_main():
         return None
     best = best_checkpoint(folder)
-    files = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir()
-                   if not p.name.startswith("."))
+    files = {p.name + ("/" if p.is_dir() else "") for p in folder.iterdir()
+             if not p.name.startswith(".")} | {SUMMARY}
     summary = {"epochs": epochs, "best": best, "elapsed_s": round(time.time() - started, 1),
-               "files": sorted({*files, SUMMARY}),
+               "files": sorted(files, key=_natural),
                "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     atomic_write_text(folder / SUMMARY, json.dumps(summary, indent=2) + "\n")
     if best is None:

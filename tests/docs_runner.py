@@ -254,7 +254,7 @@ def check_workflow_config(data: dict, project: Path) -> None:
 
 def compose_and_check(project: Path, text: str, file: str | None) -> None:
     """``--print-config`` the block (a fragment goes onto digits_cnn), then pre-flight it."""
-    from echelon3 import build, cli, config, data
+    from echelon3 import cli, config, data, preflight
 
     if file is None:
         directory = project / "config" / "experiments"
@@ -279,7 +279,7 @@ def compose_and_check(project: Path, text: str, file: str | None) -> None:
         data.check_batch_sizes(rc.cfg.get("dataloaders"), world)
         from echelon3.train import RUNTIME_KEYS  # trainer.config keys train reads itself
 
-        build.check_specs(rc.cfg, rc.config_dir, consumed={"trainer": tuple(RUNTIME_KEYS)})
+        preflight.check_specs(rc.cfg, rc.config_dir, consumed={"trainer": tuple(RUNTIME_KEYS)})
     finally:
         os.chdir(cwd)
     assert yaml.safe_load(out.getvalue()), "--print-config printed nothing"

@@ -37,6 +37,7 @@ from echelon3.errors import ConfigError
 from echelon3.evaluate import evaluate_sets, metric_name, split_batch, to_device, weighted_loss
 from echelon3.profiling import Profiler
 from echelon3.runtime import interrupted
+from echelon3.samples import naming_bad_labels
 from echelon3.trainers.accumulation import Accumulation
 from echelon3.trainers.running import RunningLosses
 from echelon3.trainers.nonfinite import NonFiniteGuard
@@ -249,16 +250,17 @@ class Trainer:
                 raise KeyboardInterrupt
             scale, last = self.accum.window(i - 1, steps)
             started = clock.step_started()
-            if i % self.log_every == sample_at:
-                parts = clock.sample_device(lambda: self.train_step(batch, scale, last))
-            else:
-                parts = self.train_step(batch, scale, last)
+            with naming_bad_labels(batch, self.metrics):
+                if i % self.log_every == sample_at:
+                    parts = clock.sample_device(lambda: self.train_step(batch, scale, last))
+                else:
+                    parts = self.train_step(batch, scale, last)
             clock.step_ended(started)
             self.global_step += int(last)  # counts optimizer steps
             self.nonfinite.observe(epoch + 1, self.global_step, parts)
             self.running.add(parts)
             if i % self.log_every == 0 or i == steps:
-                self.nonfinite.check()
+                self.nonfinite.check(lagged=True)
                 self._log(self.running.close_interval(
                     {"split": "train", "epoch": epoch + 1, "step": self.global_step}))
             if i in validate_at:

@@ -116,3 +116,43 @@ def test_html_report_holds_captioned_plots_and_the_leaderboard_table(finished, t
     assert "<table" in table and "Ranked by <code>accuracy</code>, highest first" in table
     first, second, third = pd.read_csv(wf / "results/leaderboard.csv")["experiment"]
     assert table.index(f">{first}<") < table.index(f">{second}<") < table.index(f">{third}<")
+
+
+def test_report_script_writes_every_output_of_the_rule(tmp_path):
+    """report.main as Snakemake's script directive calls it: a sweep of two points
+    and a plain experiment, histories and summaries beside the metrics."""
+    from types import SimpleNamespace
+
+    experiments = {"solo": {"config": "a", "overrides": []},
+                   "s/lr~0.1": {"config": "a", "overrides": ["lr=0.1"]},
+                   "s/lr~0.01": {"config": "a", "overrides": ["lr=0.01"]}}
+    inputs = {"metrics": [], "summaries": []}
+    histories = []
+    for i, name in enumerate(experiments):
+        folder = tmp_path / "results" / name
+        folder.mkdir(parents=True)
+        (folder / "metrics.json").write_text(json.dumps({"accuracy": 0.9 + i / 100}))
+        (folder / "summary.json").write_text(json.dumps({"best": {"epoch": 2}}))
+        (folder / "history.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in history(epochs=3)))
+        inputs["metrics"].append(folder / "metrics.json")
+        inputs["summaries"].append(folder / "summary.json")
+        histories.append(folder / "history.jsonl")
+    out = tmp_path / "out"
+    outputs = SimpleNamespace(
+        csv=out / "leaderboard.csv", md=out / "leaderboard.md", html=out / "leaderboard.html",
+        bars=out / "metrics.png", curves=[out / f"curve{i}.png" for i in range(3)],
+        sweeps=[out / "sweep.png"])
+    out.mkdir()
+    smk = SimpleNamespace(
+        input=SimpleNamespace(**inputs), output=outputs, log=[tmp_path / "report.log"],
+        params=SimpleNamespace(
+            experiments=experiments, histories=histories, metric="accuracy",
+            higher_is_better=True,
+            sweeps={"s": {"keys": ["lr"], "points": {"s/lr~0.1": {"lr": 0.1},
+                                                     "s/lr~0.01": {"lr": 0.01}}}}))
+    report.main(smk)
+    assert list(pd.read_csv(outputs.csv)["experiment"]) == ["s/lr~0.01", "s/lr~0.1", "solo"]
+    for png in [outputs.bars, *outputs.curves, *outputs.sweeps]:
+        assert png.read_bytes()[:4] == b"\x89PNG", png
+    assert "Ranked by <code>accuracy</code>" in outputs.html.read_text()

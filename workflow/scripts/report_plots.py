@@ -143,12 +143,13 @@ def draw_sweep(name, sweep, table, metric, higher_is_better):
         marker, line = STYLES[i % len(STYLES)]
         at = [p[0] if numeric else order.index(p[0]) for p in points]
         ax.plot(at, [p[1] for p in points], marker=marker, ls=line, label=label)
-    best = (max if higher_is_better else min)(
-        ((x, y) for points in lines.values() for x, y in points if not math.isnan(y)),
-        key=lambda p: p[1], default=None)
-    if best is not None:
-        ax.plot(best[0] if numeric else order.index(best[0]), best[1], "*", ms=16,
-                color="tab:red", label=f"best: {x_key}={best[0]}")
+    scored = [(point, scores[exp]) for exp, point in sweep["points"].items()
+              if not math.isnan(scores.get(exp, math.nan))]
+    if scored:
+        point, score = (max if higher_is_better else min)(scored, key=lambda p: p[1])
+        x = point[x_key]
+        ax.plot(x if numeric else order.index(x), score, "*", ms=16, color="tab:red",
+                label="best: " + ", ".join(f"{k}={point[k]}" for k in keys))
     if numeric and min(order) > 0 and max(order) / min(order) >= 100:
         ax.set_xscale("log")
     if numeric:
