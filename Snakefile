@@ -1,4 +1,4 @@
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
 min_version("9.0")
 
@@ -6,14 +6,28 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
-validate(config, "workflow/schemas/config.schema.yaml")
+report: "workflow/report/workflow.rst"
+
+
+include: "workflow/rules/checks.smk"
+
+
+# One line naming the key at fault, before anything is planned.
+check_schema(config, "workflow/schemas/config.schema.yaml")
+check_config_files(config)
+check_sweep_keys(config)
+warn_placeholder_slurm_settings()
 
 
 include: "workflow/rules/common.smk"
+include: "workflow/rules/chains.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/finetune.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/run.smk"
+include: "workflow/rules/export.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/summary.smk"
 
 
 rule all:

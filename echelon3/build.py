@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
-import inspect
 import sys
 from contextvars import ContextVar
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any, Callable, Mapping
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from echelon3.arguments import check_arguments
 from echelon3.errors import BuildError, UserError, did_you_mean
 
 SPEC_KEYS = {"module", "type", "config"}
@@ -103,30 +103,6 @@ def resolve_type(spec: Mapping, key: str, config_dir: Path | None = None) -> Cal
     return target
 
 
-def check_arguments(target: Callable, kwargs: Mapping[str, Any], key: str,
-                    injected: Mapping[str, Any] = ()) -> None:
-    """Name an unknown or missing keyword before calling, with what is accepted."""
-    try:
-        params = list(inspect.signature(target).parameters.values())
-    except (TypeError, ValueError):
-        return  # no signature to check against (some builtins); the call itself will tell
-    keyword = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-               and p.name != "self"]
-    label = getattr(target, "__qualname__", repr(target))
-    if not any(p.kind is p.VAR_KEYWORD for p in params):
-        names = [p.name for p in keyword]
-        for arg in kwargs:
-            if arg not in names:
-                where = f"{key}.config.{arg}" if arg not in injected else key
-                offered = [n for n in names if n not in injected]
-                raise BuildError(where, f"{label} does not accept '{arg}'"
-                                 f"{did_you_mean(arg, offered)}; it accepts: "
-                                 f"{', '.join(offered) or '(nothing)'}")
-    missing = [p.name for p in keyword if p.default is p.empty and p.name not in kwargs]
-    if missing:
-        raise BuildError(f"{key}.config", f"{label} requires {', '.join(map(repr, missing))}")
-
-
 def _build_nested(value: Any, key: str, config_dir: Path | None) -> Any:
     if is_spec(value):
         return instantiate(value, key, config_dir)
@@ -170,7 +146,7 @@ def instantiate(spec: Mapping, key: str, config_dir: Path | None = None,
               for k, v in config.items()}
     kwargs = {k: to_plain(v) for k, v in kwargs.items()}
     kwargs.update(injected)
-    check_arguments(target, kwargs, key, injected)
+    check_arguments(target, kwargs, key, injected, skip_types=tuple(lazy))
     token = _CONFIG_DIR.set(config_dir)
     try:
         return target(**kwargs)
@@ -199,19 +175,6 @@ def iter_specs(node: Any, key: str):
                 yield from iter_specs(item, key)
             else:
                 yield from iter_specs(item, f"{key}[{i}]")
-
-
-def check_specs(cfg, config_dir: Path | None = None, skip: tuple[str, ...] = ()) -> None:
-    """Import every ``module`` and find every ``type`` now, before processes start.
-
-    Root keys in ``skip`` and the user's own ``_`` keys are left out; arguments
-    are checked when each section is built (it knows what it injects).
-    """
-    for section, node in cfg.items():
-        if section in skip or str(section).startswith("_"):
-            continue
-        for key, spec in iter_specs(node, str(section)):
-            resolve_type(spec, key, config_dir)
 
 
 # --------------------------------------------------------------------------- section builders

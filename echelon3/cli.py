@@ -1,4 +1,4 @@
-"""The ``echelon3`` command: train / evaluate / run, and ``profiles install``.
+"""The ``echelon3`` command: train / finetune / evaluate / run / export, and ``profiles install``.
 
 Heavy imports (torch, the tasks) happen inside the commands, so ``--help`` is
 instant. Exit codes: 0 success, 2 a user error (one line naming the config key
@@ -17,15 +17,23 @@ import traceback
 from echelon3 import profiles
 
 # Sections only another task builds; their components are not imported up front.
-OTHER_TASKS_ONLY = {"train": ("evaluator", "runner"), "evaluate": ("runner",),
-                    "run": ("evaluator",)}
+OTHER_TASKS_ONLY = {"train": ("evaluator", "runner", "export"),
+                    "finetune": ("evaluator", "runner", "export"),
+                    "evaluate": ("runner", "trainer", "mlops", "export"),
+                    "run": ("evaluator", "trainer", "mlops", "export"),
+                    "export": ("evaluator", "runner", "dataloaders", "loss", "metrics", "optimizer",
+                               "scheduler", "trainer", "mlops")}
 
 TASKS = {
     "train": ("echelon3.train", "train", "train a network (resumes when target.path holds "
               "checkpoints)"),
+    "finetune": ("echelon3.tasks", "finetune", "train starting from another run's weights "
+                 "(init_from; finetune: freeze_patterns, param_groups)"),
     "evaluate": ("echelon3.evaluate", "evaluate", "compute metrics of a checkpoint over the "
                  "test set(s) and write them as JSON"),
     "run": ("echelon3.run", "run", "run inference with a checkpoint and write predictions as CSV"),
+    "export": ("echelon3.export", "export", "write a checkpoint's network as ONNX and/or "
+               "safetensors weights"),
 }
 
 EPILOG = """overrides (OmegaConf grammar):
@@ -49,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
         prog="echelon3", description="Config-driven PyTorch training: one YAML per run.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_argument("--version", action="version", version=f"echelon3 {__version__}")
-    sub = top.add_subparsers(dest="command", metavar="{train,evaluate,run,profiles}",
+    sub = top.add_subparsers(dest="command", metavar="{" + ",".join([*TASKS, "profiles"]) + "}",
                              required=True)
     for name, (_, _, help_text) in TASKS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG,
@@ -86,16 +94,22 @@ def _execute(args) -> None:
         sys.stdout.write(to_yaml(rc.cfg))
         return
     from echelon3 import data, lock, runtime
-    from echelon3.build import check_specs
+    from echelon3.preflight import check_specs
+    from echelon3.sections import check_sections
 
     module, function, _ = TASKS[args.command]
-    task = getattr(importlib.import_module(module), function)
+    task_module = importlib.import_module(module)
+    task = getattr(task_module, function)
+    # trainer.config keys the task reads itself instead of passing them to the Trainer
+    consumed = {"trainer": tuple(getattr(task_module, "RUNTIME_KEYS", ()))}
 
     held = contextlib.ExitStack()  # target.path's lock, claimed once the checks pass
 
     def validate(plan):
+        check_sections(rc.cfg)
         data.check_batch_sizes(rc.cfg.get("dataloaders"), plan.world_size)
-        check_specs(rc.cfg, rc.config_dir, skip=OTHER_TASKS_ONLY[args.command])
+        check_specs(rc.cfg, rc.config_dir, skip=OTHER_TASKS_ONLY[args.command],
+                    consumed=consumed)
         held.enter_context(lock.for_launch(args.command, rc.cfg))
 
     with held:
@@ -131,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
             print(f"echelon3: error: {message}", file=sys.stderr)
             return 2
-        from echelon3.dist import WorkerFailed
+        from echelon3.dist import PEER_LOST, PEER_LOST_EXIT, WorkerFailed, peer_lost
         from echelon3.preemption import Preempted
 
         if isinstance(e, Preempted):
@@ -142,5 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, WorkerFailed):
             print(f"echelon3: {e}", file=sys.stderr)
             return e.exit_code
+        if peer_lost(e):  # one rank of a torchrun / srun job; the failed one said why
+            print(f"echelon3: [rank {os.environ.get('RANK', '?')}] {PEER_LOST}", file=sys.stderr)
+            return PEER_LOST_EXIT
         raise
     return 0

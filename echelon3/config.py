@@ -34,7 +34,7 @@ from echelon3.errors import ConfigError, did_you_mean
 ROOT_KEYS = (
     "device", "gpus", "nproc", "precision", "seed", "device_ids", "on_config_change",
     "net", "data", "dataloaders", "loss", "metrics", "optimizer", "scheduler",
-    "trainer", "target", "mlops", "evaluator", "runner",
+    "trainer", "target", "mlops", "evaluator", "runner", "init_from", "finetune", "export",
 )
 
 _KEY = re.compile(r"^[A-Za-z_][\w\-]*(\.[\w\-]+|\[\d+\])*$")
@@ -201,15 +201,22 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
         else:
             try:
                 OmegaConf.update(cfg, key, value, merge=False, force_add=True)
-            except OmegaConfBaseException as e:
+            except (OmegaConfBaseException, ValueError, TypeError, KeyError, IndexError) as e:
                 raise ConfigError(key, f"cannot apply override '{text}': "
-                                  f"{_first_line(e.msg)}") from e
+                                  f"{_first_line(getattr(e, 'msg', None) or e)}") from e
 
 
-def _check_root_keys(cfg: DictConfig, source: Path) -> None:
+def _root(key: str) -> str:
+    return re.split(r"[.\[]", key, maxsplit=1)[0]
+
+
+def _check_root_keys(cfg: DictConfig, source: Path, added: dict[str, str]) -> None:
+    """``added``: root keys the command line brought in -> the override that did."""
     for key in cfg:
         if key not in ROOT_KEYS and not str(key).startswith("_"):
-            raise ConfigError(str(key), f"unknown root key in {source.name}"
+            where = f"override '{added[key]}' on the command line" if key in added \
+                else source.name
+            raise ConfigError(str(key), f"unknown root key in {where}"
                               f"{did_you_mean(str(key), ROOT_KEYS)}; known: {', '.join(ROOT_KEYS)}")
 
 
@@ -232,15 +239,42 @@ def load_config(config_dir: str | Path | None, config_name: str,
         raise ConfigError("--config-name", "missing; name the run's YAML file")
     path = _config_file(directory, config_name, "--config-name")
     cfg = _compose(directory, path, ())
+    in_files = set(cfg)
+    added = {_root(parse_override(o)[1]): o for o in overrides}
     apply_overrides(cfg, overrides)
     cfg.pop("hydra", None)
     _resolve(cfg)
-    _check_root_keys(cfg, path)
+    _check_root_keys(cfg, path, {k: o for k, o in added.items() if k not in in_files})
     return RunConfig(cfg=cfg, config_dir=directory, config_file=path)
 
 
 def to_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict) and node:
+        flat = {}
+        for key, value in node.items():
+            flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    return {prefix: node}
+
+
+def changed_keys(old: dict, new: dict, limit: int = 4) -> list[str]:
+    """``key: old -> new`` for each leaf that differs (at most ``limit``, then a count)."""
+    before, after = _flatten(old), _flatten(new)
+    absent = object()
+
+    def show(value):
+        return "(absent)" if value is absent else repr(value)
+
+    lines = [f"{key}: {show(before.get(key, absent))} -> {show(after.get(key, absent))}"
+             for key in sorted(before.keys() | after.keys())
+             if before.get(key, absent) != after.get(key, absent)]
+    if len(lines) > limit:
+        lines = [*lines[:limit - 1], f"and {len(lines) - limit + 1} more"]
+    return lines
 
 
 def require(cfg: DictConfig, *sections: str, task: str) -> None:

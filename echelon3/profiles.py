@@ -48,7 +48,10 @@ def profiles_in(source: Path) -> list[Path]:
     if not source.is_dir():
         raise ProfileError(str(source), "no such folder (run from the project root, or "
                            "pass --source profiles/)")
-    found = sorted(p for p in source.iterdir() if (p / "config.yaml").is_file())
+    # profiles/default is Snakemake's workflow profile, read from the project itself on
+    # every run: installing it by name would add nothing
+    found = sorted(p for p in source.iterdir()
+                   if (p / "config.yaml").is_file() and p.name != "default")
     if not found:
         raise ProfileError(str(source), "holds no profile (a folder with a config.yaml)")
     return found

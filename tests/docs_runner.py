@@ -254,7 +254,7 @@ def check_workflow_config(data: dict, project: Path) -> None:
 
 def compose_and_check(project: Path, text: str, file: str | None) -> None:
     """``--print-config`` the block (a fragment goes onto digits_cnn), then pre-flight it."""
-    from echelon3 import build, cli, config, data
+    from echelon3 import cli, config, data, preflight
 
     if file is None:
         directory = project / "config" / "experiments"
@@ -277,7 +277,9 @@ def compose_and_check(project: Path, text: str, file: str | None) -> None:
         gpus, nproc = rc.cfg.get("gpus"), rc.cfg.get("nproc")
         world = len(gpus) if gpus is not None and not isinstance(gpus, int) else (nproc or 1)
         data.check_batch_sizes(rc.cfg.get("dataloaders"), world)
-        build.check_specs(rc.cfg, rc.config_dir)
+        from echelon3.train import RUNTIME_KEYS  # trainer.config keys train reads itself
+
+        preflight.check_specs(rc.cfg, rc.config_dir, consumed={"trainer": tuple(RUNTIME_KEYS)})
     finally:
         os.chdir(cwd)
     assert yaml.safe_load(out.getvalue()), "--print-config printed nothing"

@@ -9,7 +9,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from echelon3.build import build_optimizer, check_specs, instantiate, iter_specs
+from echelon3.build import build_optimizer, instantiate, iter_specs
+from echelon3.preflight import check_specs
 from echelon3.errors import BuildError, did_you_mean
 from echelon3.nets.mlp import MLP
 from tests.test_cli import TINY_RUN, echelon3

@@ -271,6 +271,14 @@ def test_unknown_root_key_is_an_error_with_a_suggestion(conf):
     assert "did you mean 'scheduler'" in str(err.value)
 
 
+def test_an_unknown_root_key_from_the_command_line_is_blamed_on_it(conf):
+    with pytest.raises(ConfigError) as err:
+        load_config(conf, "run", ["foo.bar=1"])
+    assert str(err.value).startswith(
+        "foo: unknown root key in override 'foo.bar=1' on the command line;")
+    assert "run.yaml" not in str(err.value)
+
+
 def test_unknown_root_key_in_a_file(conf):
     (conf / "typo.yaml").write_text("defaults: [run]\ndataloader: {}\n")
     with pytest.raises(ConfigError) as err:

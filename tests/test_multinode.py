@@ -33,7 +33,7 @@ from tests.conftest import probe_config, run_cli
 from tests.probe import ProbeNet
 from tests.slurm import faults
 from tests.slurm.cluster import run_bounded
-from tests.test_workflow import copy_workflow
+from tests.workflow.helpers import copy_workflow
 
 pytestmark = pytest.mark.slurm
 

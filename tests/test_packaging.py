@@ -47,3 +47,14 @@ def test_ci_runs_the_readme_test_command():
     assert "pip install torch==2.13.0" in command and "pytest" in command
     ci = (REPO / ".ci" / "run").read_text()
     assert "grep -A1 -x '# run the tests' README.md" in ci
+
+
+def test_readme_cli_examples_stay_out_of_the_workflows_results():
+    """A CLI run in results/<exp> would leave the workflow's outputs out of step."""
+    readme = (REPO / "README.md").read_text()
+    commands = [line for block in re.findall(r"```bash\n(.*?)```", readme, re.S)
+                for line in block.splitlines() if re.match(r"echelon3 (train|evaluate|run) ", line)]
+    assert commands
+    for line in commands:
+        if "-cn digits_" in line:
+            assert re.search(r"target\.path=(?!results/)\S+", line), line

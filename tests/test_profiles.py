@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tests.conftest import run_cli
-from tests.test_workflow import copy_workflow, env_with, snakemake
+from tests.workflow.helpers import copy_workflow, env_with, snakemake
 
 PROJECT_PROFILES = ("local", "slurm")
 
@@ -39,7 +39,8 @@ def test_the_bare_profile_name_works_after_install(tmp_path, home):
         assert (users / name).resolve() == (wf / "profiles" / name).resolve()
         assert f"{name}: {users / name} -> " in result.stdout
     out = snakemake(wf, "--profile", "slurm", "-n", env=home)
-    assert "Using profile slurm" in out and "train" in out
+    assert "Using profiles slurm and workflow specific profile profiles/default" in out
+    assert "train" in out
     # a link, so profiles/ stays the source: an edit there is what Snakemake reads
     (wf / "profiles" / "slurm" / "config.yaml").write_text(
         (wf / "profiles" / "slurm" / "config.yaml").read_text() + "jobs: 7\n")

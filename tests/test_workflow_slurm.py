@@ -24,7 +24,7 @@ import yaml
 
 from tests.conftest import probe_config
 from tests.slurm.cluster import parse_tres, run_bounded
-from tests.test_workflow import copy_workflow
+from tests.workflow.helpers import copy_workflow
 
 pytestmark = pytest.mark.slurm
 

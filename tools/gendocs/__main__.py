@@ -10,6 +10,8 @@ from typing import Callable
 from tools.gendocs import benchmarks, cli_reference, config_keys, regions, troubleshooting
 
 REPO = Path(__file__).resolve().parents[2]
+# Sections of benchmarks/RESULTS.md that the Multi-GPU and precision page shows.
+MULTI_GPU_BENCHMARKS = ("gpu_check", "ddp_cpu")
 
 
 def renderers(repo: Path) -> dict[str, dict[str, Callable[[], str]]]:
@@ -30,7 +32,8 @@ def renderers(repo: Path) -> dict[str, dict[str, Callable[[], str]]]:
         "docs/workflow.md": {"workflow-keys": table("workflow-keys")},
         "docs/troubleshooting.md": {"messages": lambda: troubleshooting.render(repo)},
         "docs/cli.md": {"cli": cli_reference.render},
-        "docs/benchmarks.md": {"results": lambda: benchmarks.render_all(repo)},
+        "docs/benchmarks.md": {"results": lambda: benchmarks.render(repo)},
+        "docs/multi-gpu.md": {"measured": lambda: benchmarks.render(repo, MULTI_GPU_BENCHMARKS)},
     }
 
 

@@ -1,5 +1,7 @@
-"""Helpers shared by the rules: the experiment table, inputs, params, resources."""
+"""Helpers shared by the rules: the experiment table, inputs, params, resources.
+CONFIG_FILE comes from checks.smk, included before."""
 
+import functools
 import itertools
 import keyword
 import os
@@ -47,11 +49,11 @@ def _sweep_experiments(sweep_name, sweep):
     labels = [key.rsplit(".", 1)[-1] for key in keys]
     seen = {}
     for key, label in zip(keys, labels):
-        where = f"config: sweeps.{sweep_name}.grid"
+        where = f"{CONFIG_FILE}: sweeps.{sweep_name}.grid"
         if label in seen:
             raise WorkflowError(
                 f"{where}: '{seen[label]}' and '{key}' both end in '{label}', "
-                "which names the experiments; sweep them in two sweeps"
+                "which names the experiments; sweep them in two sweeps",
             )
         if keyword.iskeyword(label):
             raise WorkflowError(f"{where}: '{key}' ends in a Python keyword")
@@ -66,6 +68,8 @@ def _sweep_experiments(sweep_name, sweep):
             "config": sweep["config"],
             "overrides": list(sweep["overrides"]) + grid_overrides,
             "resources": deepcopy(sweep["resources"]),
+            "sweep": sweep_name,
+            "point": dict(zip(labels, row)),
         }
 
 
@@ -75,7 +79,7 @@ def _check_launcher(where, resources):
         return
     if resources["gpus"] < 1 and resources["nodes"] < 2:
         raise WorkflowError(
-            f"config: {where}.resources.launcher: srun starts one task per GPU (one "
+            f"{CONFIG_FILE}: {where}.resources.launcher: srun starts one task per GPU (one "
             "per node on the CPU); set resources.gpus to 1 or more, or resources.nodes "
             "to 2 or more, or drop the launcher"
         )
@@ -93,8 +97,8 @@ def _experiments(cfg):
     for sweep_name, sweep in cfg["sweeps"].items():
         if sweep_name in experiments:
             raise WorkflowError(
-                f"config: sweeps.{sweep_name}: an experiment has the same name; "
-                "rename one of them"
+                f"{CONFIG_FILE}: sweeps.{sweep_name}: "
+                "an experiment has the same name; rename one of them",
             )
         experiments.update(_sweep_experiments(sweep_name, sweep))
     for section in ("experiments", "sweeps"):
@@ -102,7 +106,8 @@ def _experiments(cfg):
             _check_launcher(f"{section}.{name}", spec["resources"])
     if not experiments:
         raise WorkflowError(
-            "config: no experiments; list at least one under 'experiments:' or 'sweeps:'"
+            f"{CONFIG_FILE}: experiments: none listed; "
+            "list at least one under 'experiments:' or 'sweeps:'"
         )
     return experiments
 
@@ -126,6 +131,7 @@ def curve_plot(exp):
     """The learning-curve plot of one experiment, registered for the HTML report."""
     return report(
         f"results/plots/curves/{exp}.png",
+        caption="../report/curves.rst",
         category="Learning curves",
         labels={"experiment": exp},
     )
@@ -135,10 +141,41 @@ def curve_plots():
     return [curve_plot(exp) for exp in EXPERIMENTS]
 
 
+def sweep_plot(name):
+    """The chart of one sweep: the ranking metric against the swept value."""
+    return report(
+        f"results/plots/sweeps/{name}.png",
+        caption="../report/sweep.rst",
+        category="Sweeps",
+        labels={"sweep": name},
+    )
+
+
+def sweep_plots():
+    return [sweep_plot(name) for name in config["sweeps"]]
+
+
+def sweep_points():
+    """For the report: each sweep's grid keys (as in the experiment names) and the
+    point of every experiment it made."""
+    sweeps = {
+        name: {"keys": [k.rsplit(".", 1)[-1] for k in sweep["grid"]], "points": {}}
+        for name, sweep in config["sweeps"].items()
+    }
+    for exp, spec in EXPERIMENTS.items():
+        if "point" in spec:
+            sweeps[spec["sweep"]]["points"][exp] = spec["point"]
+    return sweeps
+
+
 def report_labels():
     """What the leaderboard shows of each experiment besides its metrics."""
     return {
-        name: {"config": spec["config"], "overrides": spec["overrides"]}
+        name: {
+            "config": spec["config"],
+            "overrides": spec["overrides"],
+            "model": exported_model(name),  # chains.smk
+        }
         for name, spec in EXPERIMENTS.items()
     }
 
@@ -149,8 +186,11 @@ def all_targets():
         *results("results/{exp}/predictions.csv"),
         "results/leaderboard.csv",
         "results/leaderboard.md",
+        "results/leaderboard.html",
         *results("results/plots/curves/{exp}.png"),
         "results/plots/metrics.png",
+        *expand("results/plots/sweeps/{sweep}.png", sweep=config["sweeps"]),
+        *export_targets(),  # chains.smk
     ]
 
 
@@ -191,9 +231,16 @@ def experiment_config(wildcards):
     return str(CONFIG_DIR / f"{EXPERIMENTS[wildcards.exp]['config']}.yaml")
 
 
+@functools.cache
+def _composed_by(name):
+    """`_composed_files` once per config name: a sweep shares one config across many
+    experiments, and reading the YAML per job made the DAG grow slow."""
+    return tuple(_composed_files(name, set())[1:])
+
+
 def composed_configs(wildcards):
     """Config files the experiment's config composes (its defaults list)."""
-    return _composed_files(EXPERIMENTS[wildcards.exp]["config"], set())[1:]
+    return list(_composed_by(EXPERIMENTS[wildcards.exp]["config"]))
 
 
 # --- params ---------------------------------------------------------------------

@@ -4,31 +4,42 @@ localrules:
 
 
 rule report:
-    """Leaderboard (CSV + Markdown, best first) and plots over all experiments.
-    The learning curves read each run's history.jsonl, which train writes
-    beside best.tar."""
+    """Leaderboard (CSV, Markdown, HTML; best first) and plots over all
+    experiments. The learning curves read each run's history.jsonl, which train
+    writes beside best.tar, and mark the epoch of best.tar from summary.json."""
     input:
         metrics=results("results/{exp}/metrics.json"),
-        best=results("results/{exp}/best.tar"),
+        summaries=results("results/{exp}/summary.json"),
+        models=export_targets(),
     output:
         csv=report(
             "results/leaderboard.csv",
+            caption="../report/leaderboard.rst",
+            category="Leaderboard",
+            labels={"table": "leaderboard (CSV)"},
+        ),
+        md="results/leaderboard.md",
+        html=report(
+            "results/leaderboard.html",
+            caption="../report/leaderboard.rst",
             category="Leaderboard",
             labels={"table": "leaderboard"},
         ),
-        md="results/leaderboard.md",
         curves=curve_plots(),
         bars=report(
             "results/plots/metrics.png",
+            caption="../report/metrics.rst",
             category="Metrics",
-            labels={"plot": "metrics by experiment"},
+            labels={"plot": "test metrics by experiment"},
         ),
+        sweeps=sweep_plots(),
     log:
         "logs/report.log",
     conda:
         "../envs/echelon3.yaml"
     params:
         experiments=report_labels(),
+        sweeps=sweep_points(),
         histories=results("results/{exp}/history.jsonl"),
         metric=config["leaderboard"]["metric"],
         higher_is_better=config["leaderboard"]["higher_is_better"],

@@ -1,12 +1,14 @@
 rule train:
     """Train one experiment. Its rolling checkpoints live beside best.tar in
     results/{exp}/ but are no declared output, so Snakemake leaves them alone
-    when a job fails and echelon3 resumes from them on the rerun."""
+    when a job fails and echelon3 resumes from them on the rerun. summary.json
+    is written last: a stopped job never leaves a complete-looking output."""
     input:
         config=experiment_config,
         composed=composed_configs,
     output:
         best="results/{exp}/best.tar",
+        summary="results/{exp}/summary.json",
     log:
         "logs/train/{exp}.log",
     conda:

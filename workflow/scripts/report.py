@@ -1,29 +1,37 @@
 """The workflow's report step: leaderboard (CSV, Markdown) and plots.
 
-Run by Snakemake's `script:` directive; everything comes in through the
-`snakemake` object: input.metrics and params.histories follow the order of
-params.experiments.
+Run by Snakemake's `script:` directive, which puts this folder on sys.path
+(report_plots.py draws the pictures); everything comes in through the
+`snakemake` object: input.metrics, input.summaries, params.histories and
+output.curves follow the order of params.experiments; output.sweeps that of
+params.sweeps.
 """
 
 import json
 import logging
+import os
+import sys
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
+import pandas as pd
+from report_plots import draw_curves, draw_metrics, draw_sweep, save
 
 log = logging.getLogger("report")
 
 
 def read_metrics(path):
-    with open(path) as f:
-        metrics = json.load(f)
+    try:
+        with open(path) as f:
+            metrics = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg}, line {e.lineno}); rerun its "
+                         "evaluate job") from e
     if not isinstance(metrics, dict):
         raise ValueError(f"{path}: expected a JSON object of metric -> value")
-    return {key: float(value) for key, value in metrics.items()}
+    try:
+        return {key: float(value) for key, value in metrics.items()}
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: every value must be a number ({e})") from e
 
 
 def read_history(path):
@@ -51,11 +59,13 @@ def leaderboard(experiments, metric_files, metric, higher_is_better):
                 "experiment": name,
                 "config": spec["config"],
                 "overrides": " ".join(spec["overrides"]),
+                **({"model": spec["model"]} if spec.get("model") else {}),
                 **read_metrics(path),
             }
         )
     table = pd.DataFrame(rows)
-    metric_columns = [c for c in table.columns if c not in ("experiment", "config", "overrides")]
+    labels = ("experiment", "config", "overrides", "model")
+    metric_columns = [c for c in table.columns if c not in labels]
     if metric is None:
         complete = [c for c in metric_columns if table[c].notna().all()]
         if not complete:
@@ -71,57 +81,48 @@ def leaderboard(experiments, metric_files, metric, higher_is_better):
     return table.reset_index(drop=True), metric, metric_columns
 
 
-def markdown(table, metric, higher_is_better):
+def markdown(table, metric, higher_is_better, folder="results"):
+    """The table in Markdown; an exported model becomes a link relative to `folder`."""
     order = "highest" if higher_is_better else "lowest"
+    if "model" in table.columns:
+        table = table.assign(model=[
+            f"[{Path(m).name}]({os.path.relpath(m, folder)})" if isinstance(m, str) else ""
+            for m in table["model"]
+        ])
     body = table.to_markdown(index=False, floatfmt=".4g")
     return f"# Leaderboard\n\nRanked by `{metric}`, {order} first.\n\n{body}\n"
 
 
-def plot_curves(name, records, path):
-    """Training loss per step, validation metrics per epoch."""
-    train = [r for r in records if r.get("split") == "train" and "loss" in r]
-    val = [r for r in records if r.get("split") == "val"]
-    val_keys = sorted({k for r in val for k in r if k not in ("split", "epoch", "step")})
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    loss_ax, val_ax = axes
-    if train:
-        loss_ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1)
-    loss_ax.set(title="training loss", xlabel="step", ylabel="loss")
-    for key in val_keys:
-        points = [(r["epoch"], r[key]) for r in val if isinstance(r.get(key), (int, float))]
-        if points:
-            val_ax.plot(*zip(*points), marker="o", ms=3, label=key)
-    val_ax.set(title="validation", xlabel="epoch")
-    if val_keys:
-        val_ax.legend(fontsize="small")
-    for ax in axes:
-        if not ax.has_data():
-            ax.text(0.5, 0.5, "no records", ha="center", va="center", transform=ax.transAxes)
-        ax.grid(alpha=0.3)
-    fig.suptitle(name)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+HTML = """<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>Leaderboard</title><style>
+body {{ font: 14px sans-serif; margin: 1em; }}
+table {{ border-collapse: collapse; }}
+th, td {{ padding: 4px 12px; border-bottom: 1px solid #ddd; text-align: left; }}
+tbody tr:first-child {{ background: #eef6ee; font-weight: bold; }}
+</style></head><body>
+<h2>Leaderboard</h2>
+<p>Ranked by <code>{metric}</code>, {order} first (test set, <code>echelon3 evaluate</code>
+on each run's best.tar).</p>
+{table}
+</body></html>
+"""
 
 
-def plot_metrics(table, metric_columns, path):
-    """One horizontal bar panel per metric, experiments in leaderboard order."""
-    n = len(metric_columns)
-    height = 0.4 * len(table) + 1.2
-    fig, axes = plt.subplots(1, max(n, 1), figsize=(4 * max(n, 1), height), squeeze=False)
-    names = table["experiment"][::-1]
-    for ax, column in zip(axes[0], metric_columns):
-        bars = ax.barh(names, table[column][::-1])
-        ax.bar_label(bars, fmt="%.4g", padding=2, fontsize="small")
-        ax.margins(x=0.2)
-        ax.set_title(column)
-        ax.grid(axis="x", alpha=0.3)
-    for ax in axes[0][1:]:
-        ax.tick_params(labelleft=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+def html_table(table, metric, higher_is_better):
+    """The leaderboard as a small HTML page: the report shows HTML, not CSV."""
+    order = "highest" if higher_is_better else "lowest"
+    body = table.to_html(index=False, float_format=lambda v: f"{v:.4f}", na_rep="", border=0)
+    return HTML.format(metric=metric, order=order, table=body)
+
+
+def best_epoch(path):
+    """The epoch of best.tar, from the run's summary.json (None when unknown)."""
+    try:
+        with open(path) as f:
+            return (json.load(f).get("best") or {}).get("epoch")
+    except (OSError, ValueError):
+        log.warning("%s is missing or not JSON: best epoch not marked", path)
+        return None
 
 
 def main(smk):
@@ -130,12 +131,19 @@ def main(smk):
     metric, higher = smk.params.metric, smk.params.higher_is_better
     table, metric, metric_columns = leaderboard(experiments, smk.input.metrics, metric, higher)
     table.to_csv(smk.output.csv, index=False)
-    Path(smk.output.md).write_text(markdown(table, metric, higher))
-    for name, history, png in zip(experiments, smk.params.histories, smk.output.curves):
-        plot_curves(name, read_history(history), png)
-    plot_metrics(table, metric_columns, smk.output.bars)
+    Path(smk.output.md).write_text(markdown(table, metric, higher, Path(smk.output.md).parent))
+    Path(smk.output.html).write_text(html_table(table, metric, higher))
+    for name, history, summary, png in zip(experiments, smk.params.histories,
+                                           smk.input.summaries, smk.output.curves):
+        save(draw_curves(name, read_history(history), best_epoch(summary)), png)
+    save(draw_metrics(table, metric_columns, metric, higher), smk.output.bars)
+    for (name, sweep), png in zip(smk.params.sweeps.items(), smk.output.sweeps):
+        save(draw_sweep(name, sweep, table, metric, higher), png)
     log.info("ranked %d experiments by %s", len(table), metric)
 
 
 if __name__ == "__main__":
-    main(snakemake)  # noqa: F821 (injected by Snakemake's script directive)
+    try:
+        main(snakemake)  # noqa: F821 (injected by Snakemake's script directive)
+    except (OSError, ValueError) as e:  # a file that cannot be read: one line naming it
+        sys.exit(f"report: {e}")

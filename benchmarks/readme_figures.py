@@ -1,0 +1,92 @@
+"""Measure the figures README.md gives for the embedded default, and write them in.
+
+Runs the shipped workflow (`snakemake -j1`, config/config.yaml as it is) in a
+scratch copy of the project, then reads what it left: each run's summary.json
+(best epoch, time spent in `echelon3 train` after start-up) and metrics.json
+(test accuracy of best.tar). The table between the README's
+``<!-- readme_figures:start -->`` and ``<!-- readme_figures:end -->`` markers
+is replaced, dated, with the machine's core count and torch version.
+
+    python benchmarks/readme_figures.py            # measure and rewrite README.md
+    python benchmarks/readme_figures.py --print    # measure and print only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+START, END = "<!-- readme_figures:start -->", "<!-- readme_figures:end -->"
+
+
+def run_workflow(folder: Path) -> float:
+    """`snakemake -j1` on a copy of the project in ``folder``; its wall time in seconds."""
+    shutil.copy2(REPO / "Snakefile", folder / "Snakefile")
+    for name in ("workflow", "config", "profiles"):
+        shutil.copytree(REPO / name, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-j1"], cwd=folder, env=env,
+                          text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    elapsed = time.monotonic() - started
+    if proc.returncode != 0:
+        sys.exit(f"snakemake -j1 failed:\n{proc.stdout[-4000:]}")
+    return elapsed
+
+
+def rows(folder: Path) -> list[str]:
+    config = yaml.safe_load((folder / "config/config.yaml").read_text())
+    lines = []
+    for name in config["experiments"]:
+        summary = json.loads((folder / "results" / name / "summary.json").read_text())
+        metrics = json.loads((folder / "results" / name / "metrics.json").read_text())
+        lines.append(f"| `{name}` ({summary['epochs']} epochs) | {summary['elapsed_s']:.0f} s "
+                     f"| {metrics['accuracy']:.4f} | {summary['best']['epoch']} |")
+    return lines
+
+
+def table(folder: Path, workflow_s: float) -> str:
+    import torch
+
+    header = ["| run | training (`echelon3 train`, after start-up) | test accuracy of best.tar "
+              "| best epoch |", "|---|---|---|---|"]
+    footer = (f"| `snakemake -j1` (both runs, evaluate, run, leaderboard, plots) | "
+              f"{workflow_s:.0f} s in all | | |")
+    note = (f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} CPU cores, torch "
+            f"{torch.__version__}, by `python benchmarks/readme_figures.py` (it rewrites this "
+            "table). Accuracy repeats exactly on the same machine; times vary with its load.")
+    return "\n".join([*header, *rows(folder), footer, "", note])
+
+
+def rewrite(readme: Path, text: str) -> None:
+    content = readme.read_text()
+    if START not in content or END not in content:
+        sys.exit(f"{readme}: no {START} ... {END} markers")
+    before, rest = content.split(START, 1)
+    _, after = rest.split(END, 1)
+    readme.write_text(f"{before}{START}\n{text}\n{END}{after}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--print", action="store_true", help="print the table, leave README.md")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="echelon3-figures-") as tmp:
+        text = table(Path(tmp), run_workflow(Path(tmp)))
+    print(text)
+    if not args.print:
+        rewrite(REPO / "README.md", text)
+
+
+if __name__ == "__main__":
+    main()

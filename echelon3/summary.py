@@ -1,0 +1,87 @@
+"""The end of ``echelon3 train``: one block saying what the run gave, and ``summary.json``.
+
+``summary.json`` is the last file a run writes (atomically, rank 0), so it
+exists only for a finished run: the workflow's train rule declares it as an
+output, and a partly trained ``best.tar`` is never taken for a finished one.
+A run that stops before its first checkpoint takes back the files it wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from echelon3.checkpoint import BEST, KEPT_BEST, atomic_write_text
+from echelon3.dist import is_main
+
+log = logging.getLogger(__name__)
+
+SUMMARY = "summary.json"
+# What a run writes before its first checkpoint (see forget_unfinished).
+EARLY_FILES = ("config.yaml", "history.jsonl", "tensorboard", SUMMARY)
+
+
+def _natural(name: str) -> list:
+    """checkpoint-9.tar before checkpoint-10.tar."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def best_checkpoint(folder: Path) -> dict | None:
+    """Epoch, step and metrics of ``best.tar``, its tensors memory-mapped, not read."""
+    path = folder / KEPT_BEST if (folder / KEPT_BEST).exists() else folder / BEST
+    if not path.exists():
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return {"epoch": int(state["epoch"]), "step": int(state["global_step"]),
+            "metrics": {k: float(v) for k, v in (state.get("metrics") or {}).items()}}
+
+
+def finish(folder: Path, epochs: int, started: float) -> dict | None:
+    """Write ``summary.json`` and log the closing block (rank 0); the summary."""
+    if not is_main():
+        return None
+    best = best_checkpoint(folder)
+    files = {p.name + ("/" if p.is_dir() else "") for p in folder.iterdir()
+             if not p.name.startswith(".")} | {SUMMARY}
+    summary = {"epochs": epochs, "best": best, "elapsed_s": round(time.time() - started, 1),
+               "files": sorted(files, key=_natural),
+               "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    atomic_write_text(folder / SUMMARY, json.dumps(summary, indent=2) + "\n")
+    if best is None:
+        best_line = "no validation result"
+    else:
+        scores = " | ".join(f"{k} {v:.4f}" for k, v in best["metrics"].items())
+        best_line = f"epoch {best['epoch']} (step {best['step']}): {scores}"
+    log.info("finished %d epochs in %.1f s\n  best     %s\n  written  %s%s: %s",
+             epochs, summary["elapsed_s"], best_line, folder, os.sep,
+             ", ".join(summary["files"]))
+    return summary
+
+
+def forget_unfinished(folder: Path, started: float) -> None:
+    """After a failure: if no checkpoint was ever written, remove what this run wrote
+    since ``started`` (and the folder, once empty), so no half-made run is left behind."""
+    if not is_main() or not folder.is_dir():
+        return
+    if (folder / KEPT_BEST).exists() or (folder / BEST).exists() or \
+            any(folder.glob("checkpoint-*.tar")):
+        return
+    for name in EARLY_FILES:
+        path = folder / name
+        if not path.exists() or path.stat().st_mtime < started - 1:
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    try:
+        folder.rmdir()
+    except OSError:
+        pass  # something else lives there (an earlier run moved aside): keep it

@@ -1,0 +1,48 @@
+"""benchmarks/readme_figures.py: README's figures of the embedded default are the
+script's table, dated, not numbers typed by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+
+import yaml
+
+from tests.conftest import REPO
+
+
+def script():
+    spec = importlib.util.spec_from_file_location("readme_figures",
+                                                  REPO / "benchmarks" / "readme_figures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_table_is_the_scripts_output_between_its_markers():
+    figures = script()
+    readme = (REPO / "README.md").read_text()
+    region = readme.split(figures.START, 1)[1].split(figures.END, 1)[0].strip().splitlines()
+    assert region[0].startswith("| run | training (`echelon3 train`, after start-up) |")
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    names = [re.match(r"\| `([^`]+)`", line).group(1) for line in region[2:-3]]
+    assert names == list(config["experiments"])
+    assert re.fullmatch(r"Measured \d{4}-\d{2}-\d{2} on \d+ CPU cores, torch \S+, by "
+                        r"`python benchmarks/readme_figures.py` .*", region[-1])
+
+
+def test_the_script_writes_what_the_runs_left(tmp_path):
+    figures = script()
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config/config.yaml").write_text(yaml.safe_dump({"experiments": {"a": {}}}))
+    (tmp_path / "results/a").mkdir(parents=True)
+    (tmp_path / "results/a/summary.json").write_text(json.dumps(
+        {"epochs": 10, "elapsed_s": 12.4, "best": {"epoch": 7}}))
+    (tmp_path / "results/a/metrics.json").write_text(json.dumps({"accuracy": 0.99555}))
+    text = figures.table(tmp_path, 31.2)
+    assert "| `a` (10 epochs) | 12 s | 0.9956 | 7 |" in text and "| 31 s in all |" in text
+    readme = tmp_path / "README.md"
+    readme.write_text(f"before\n{figures.START}\nold\n{figures.END}\nafter\n")
+    figures.rewrite(readme, text)
+    assert readme.read_text() == f"before\n{figures.START}\n{text}\n{figures.END}\nafter\n"

@@ -1,0 +1,51 @@
+"""echelon3.summary: the block that ends `echelon3 train`, summary.json, and no
+half-made run folder after a failure before the first checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+from tests.helpers import echelon3, load, target, write_config
+
+
+def test_train_ends_with_a_summary_block_and_summary_json(tmp_path, capsys):
+    write_config(tmp_path)
+    assert echelon3("train", tmp_path) == 0
+    out = target(tmp_path)
+    summary = json.loads((out / "summary.json").read_text())
+    best = load(out / "best.tar")
+    assert summary["epochs"] == 2
+    assert summary["best"] == {"epoch": best["epoch"], "step": best["global_step"],
+                               "metrics": best["metrics"]}
+    assert summary["files"] == ["best.tar", "checkpoint-1.tar", "checkpoint-2.tar",
+                                "config.yaml", "history.jsonl", "summary.json"]
+    assert summary["elapsed_s"] > 0
+    err = capsys.readouterr().err
+    block = err[err.rindex("[echelon3] finished 2 epochs in "):].splitlines()
+    accuracy = f"accuracy {best['metrics']['accuracy']:.4f}"
+    assert block[1].startswith(f"  best     epoch {best['epoch']} (step {best['global_step']}): ")
+    assert accuracy in block[1]
+    assert block[2] == f"  written  {out}/: {', '.join(summary['files'])}"
+
+
+def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_of_it(tmp_path, capsys):
+    write_config(tmp_path)
+    # passes the pre-flight (a name), fails once the trainer knows its metrics
+    assert echelon3("train", tmp_path, "trainer.config.keep_best_on=acuracy") == 2
+    assert "keep_best_on" in capsys.readouterr().err
+    out = target(tmp_path)
+    # at most the run lock's hidden file (echelon3.lock) stays, which a rerun takes over
+    assert not out.exists() or all(p.name.startswith(".echelon3.lock") for p in out.iterdir())
+    assert echelon3("train", tmp_path) == 0  # and the rerun trains from scratch
+    assert (target(tmp_path) / "summary.json").is_file()
+
+
+def test_a_failure_after_a_checkpoint_keeps_the_run(tmp_path):
+    write_config(tmp_path)
+    assert echelon3("train", tmp_path) == 0
+    assert echelon3("train", tmp_path, "trainer.config.epochs=3",
+                    "trainer.config.keep_best_on=acuracy", "on_config_change=resume") == 2
+    out = target(tmp_path)
+    assert {"checkpoint-2.tar", "best.tar", "config.yaml", "history.jsonl"} <= \
+        {p.name for p in out.iterdir()}
+    assert not (out / "summary.json").exists()  # not finished: the last attempt failed

@@ -1,0 +1,138 @@
+"""Checks of config/config.yaml made before any job is planned. Each problem
+stops the workflow with one line that names the key at fault."""
+
+import difflib
+from pathlib import Path
+
+import jsonschema
+import yaml
+from snakemake.exceptions import WorkflowError
+from snakemake.logging import logger
+from snakemake.utils import validate
+
+CONFIG_FILE = ", ".join(map(str, workflow.configfiles)) or "config"
+
+
+def _did_you_mean(word, choices):
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _dotted(path):
+    key = ""
+    for part in path:
+        key += (
+            f"[{part}]" if isinstance(part, int) else f".{part}" if key else str(part)
+        )
+    return key
+
+
+def _schema_problem(error):
+    """(key, message) of one jsonschema error, in the words of config/README.md."""
+    where = _dotted(error.absolute_path)
+    if error.validator == "additionalProperties" and error.validator_value is False:
+        known = list(error.schema.get("properties", {}))
+        unknown = [k for k in error.instance if k not in known]
+        key = f"{where}.{unknown[0]}" if where else unknown[0]
+        return key, (
+            f"unknown key{_did_you_mean(unknown[0], known)}; "
+            f"known here: {', '.join(known)}"
+        )
+    if error.validator == "required":
+        return where or "(top level)", error.message
+    if error.validator == "propertyNames":
+        return f"{where}.{error.instance}", error.message
+    return where or "(top level)", error.message
+
+
+def check_schema(cfg, schema_file):
+    """The first schema violation as one line, then Snakemake's own validation,
+    which fills in the defaults."""
+    with open(schema_file) as f:
+        schema = yaml.safe_load(f)
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    error = jsonschema.exceptions.best_match(validator.iter_errors(cfg))
+    if error is not None:
+        key, problem = _schema_problem(error)
+        raise WorkflowError(f"{CONFIG_FILE}: {key}: {problem}")
+    validate(cfg, schema_file)
+
+
+def check_config_files(cfg):
+    """Every experiment and sweep names a config file that exists."""
+    folder = Path(cfg["config_dir"])
+    if not folder.is_dir():
+        raise WorkflowError(f"{CONFIG_FILE}: config_dir: no folder {folder}")
+    names = sorted(p.stem for p in folder.glob("*.yaml"))
+    for section in ("experiments", "sweeps"):
+        for name, spec in cfg[section].items():
+            if not (folder / f"{spec['config']}.yaml").is_file():
+                raise WorkflowError(
+                    f"{CONFIG_FILE}: {section}.{name}.config: "
+                    f"no file {folder / spec['config']}.yaml"
+                    f"{_did_you_mean(spec['config'], names)}; "
+                    f"configs in {folder}: {', '.join(names) or 'none'}",
+                )
+
+
+def check_sweep_keys(cfg):
+    """Every grid key of a sweep names a key its composed config has (after the
+    sweep's own overrides, which may add one with +key=...)."""
+    from echelon3.config import load_config
+    from echelon3.errors import UserError
+    from omegaconf import OmegaConf
+
+    for name, sweep in cfg["sweeps"].items():
+        try:
+            composed = load_config(
+                cfg["config_dir"], sweep["config"], sweep["overrides"]
+            ).cfg
+        except UserError as e:
+            raise WorkflowError(
+                f"{CONFIG_FILE}: sweeps.{name}: {sweep['config']}: {e}"
+            ) from None
+        leaves = [
+            key for key, _ in _leaves(OmegaConf.to_container(composed, resolve=False))
+        ]
+        for key in sweep["grid"]:
+            if OmegaConf.select(composed, key, default=_MISSING) is _MISSING:
+                raise WorkflowError(
+                    f"{CONFIG_FILE}: sweeps.{name}.grid.{key}: "
+                    f"{sweep['config']} has no key '{key}'"
+                    f"{_did_you_mean(key, leaves)}; add it with an override "
+                    f"'+{key}=...' in sweeps.{name}.overrides if it is new",
+                )
+
+
+_MISSING = object()
+
+
+def _leaves(node, prefix=""):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _leaves(value, f"{prefix}.{key}" if prefix else str(key))
+    else:
+        yield prefix, node
+
+
+# The SLURM profile ships these; a dry run with them says so.
+PLACEHOLDERS = {"slurm_account": "my_account", "slurm_partition": "gpu"}
+
+
+def warn_placeholder_slurm_settings():
+    """Warn when default-resources still hold profiles/slurm's placeholders
+    (the account is the sure sign: no site is called 'my_account')."""
+    resources = workflow.resource_settings.default_resources
+    account = resources.get("slurm_account") if resources is not None else None
+    if account is None or account.raw != PLACEHOLDERS["slurm_account"]:
+        return
+    partition = resources.get("slurm_partition")
+    held = [f"slurm_account '{account.raw}'"]
+    if partition is not None and partition.raw == PLACEHOLDERS["slurm_partition"]:
+        held.append(f"slurm_partition '{partition.raw}'")
+    logger.warning(
+        f"profiles/slurm: default-resources still hold the placeholders "
+        f"{' and '.join(held)}; set your site's in profiles/slurm/config.yaml, or "
+        "add a profile of your own after it (--profile profiles/slurm --profile "
+        "my-site), see config/README.md"
+    )
