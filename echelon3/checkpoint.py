@@ -175,7 +175,7 @@ class CheckpointManager:
         if not self.path.is_dir():
             return []
         found = [((int(m.group(1)), int(m.group(2) or 0)), p) for p in self.path.iterdir()
-                 if (m := _ROLLING.match(p.name))]
+                 if (m := _ROLLING.match(p.name)) and p.is_file()]
         return [p for _, p in sorted(found, reverse=True)]
 
     def save_checkpoint(self, state: dict[str, Any], epoch: int, best: bool = False) -> None:
@@ -266,8 +266,9 @@ class CheckpointManager:
                 errors.append(e)
                 log.warning("skipping %s", e)
         if candidates:
-            raise CheckpointError(str(self.path), f"{len(candidates)} checkpoint(s) found but none "
-                                  "loads; move them away to start over")
+            raise CheckpointError(str(errors[0].key), f"{errors[0].message}; none loads of the "
+                                  f"{len(candidates)} checkpoint(s) in {self.path}: move them "
+                                  "away to start over")
         return None
 
     def for_inference(self, checkpoint: str | None = None) -> Path:

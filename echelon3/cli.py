@@ -88,6 +88,7 @@ def _execute(args) -> None:
         return
     from echelon3 import data, lock, runtime
     from echelon3.preflight import check_specs
+    from echelon3.sections import check_sections
 
     module, function, _ = TASKS[args.command]
     task_module = importlib.import_module(module)
@@ -98,6 +99,7 @@ def _execute(args) -> None:
     held = contextlib.ExitStack()  # target.path's lock, claimed once the checks pass
 
     def validate(plan):
+        check_sections(rc.cfg)
         data.check_batch_sizes(rc.cfg.get("dataloaders"), plan.world_size)
         check_specs(rc.cfg, rc.config_dir, skip=OTHER_TASKS_ONLY[args.command],
                     consumed=consumed)
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
             print(f"echelon3: error: {message}", file=sys.stderr)
             return 2
-        from echelon3.dist import WorkerFailed
+        from echelon3.dist import PEER_LOST, PEER_LOST_EXIT, WorkerFailed, peer_lost
         from echelon3.preemption import Preempted
 
         if isinstance(e, Preempted):
@@ -144,5 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, WorkerFailed):
             print(f"echelon3: {e}", file=sys.stderr)
             return e.exit_code
+        if peer_lost(e):  # one rank of a torchrun / srun job; the failed one said why
+            print(f"echelon3: [rank {os.environ.get('RANK', '?')}] {PEER_LOST}", file=sys.stderr)
+            return PEER_LOST_EXIT
         raise
     return 0

@@ -201,9 +201,9 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
         else:
             try:
                 OmegaConf.update(cfg, key, value, merge=False, force_add=True)
-            except OmegaConfBaseException as e:
+            except (OmegaConfBaseException, ValueError, TypeError, KeyError, IndexError) as e:
                 raise ConfigError(key, f"cannot apply override '{text}': "
-                                  f"{_first_line(e.msg)}") from e
+                                  f"{_first_line(getattr(e, 'msg', None) or e)}") from e
 
 
 def _root(key: str) -> str:

@@ -19,10 +19,11 @@ import sys
 from typing import Any, Iterator, Mapping
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
 from echelon3.build import instantiate, is_spec, to_plain
 from echelon3.errors import BatchSizeError, BuildError
+from echelon3.samples import GuardedCollate, GuardedDataset
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ class ShardSampler(Sampler[int]):
 
 def per_rank_batch(global_batch: int, world_size: int, key: str) -> int:
     """``global_batch / world_size``, or a ValueError naming both numbers and nearby valid sizes."""
+    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
+        raise BatchSizeError(key, f"must be a positive whole number, got {global_batch!r}")
     if global_batch % world_size == 0:
         return global_batch // world_size
     lower = (global_batch // world_size) * world_size
@@ -80,7 +83,7 @@ def check_batch_sizes(loaders_cfg: Mapping, world_size: int) -> None:
     """Validate every loader's global batch size before any worker starts."""
     for name, spec in (loaders_cfg or {}).items():
         batch = ((spec or {}).get("config") or {}).get("batch_size", 1)
-        per_rank_batch(int(batch), world_size, f"dataloaders.{name}.config.batch_size")
+        per_rank_batch(batch, world_size, f"dataloaders.{name}.config.batch_size")
 
 
 def _sample_bytes(sample: Any) -> int:
@@ -125,8 +128,10 @@ def report_prefetch(name: str, dataset: Dataset, world_size: int, num_workers: i
 
 
 def create_dataloader(name: str, spec: Mapping, dataset: Dataset, *, train: bool, rank: int,
-                      world_size: int, seed: int, config_dir=None) -> DataLoader:
-    """Build ``dataloaders.<name>`` for this rank, injecting ``dataset=`` and the sampler."""
+                      world_size: int, seed: int, config_dir=None,
+                      data_key: str = "data") -> DataLoader:
+    """Build ``dataloaders.<name>`` for this rank, injecting ``dataset=`` and the sampler;
+    a bad sample is reported naming ``data_key`` (see :mod:`echelon3.samples`)."""
     key = f"dataloaders.{name}"
     if not is_spec(spec):
         spec = {"module": "torch.utils.data", "type": "DataLoader", **(spec or {})}
@@ -134,7 +139,7 @@ def create_dataloader(name: str, spec: Mapping, dataset: Dataset, *, train: bool
     for injected in ("dataset", "sampler", "batch_sampler"):
         if injected in config:
             raise BuildError(f"{key}.config.{injected}", "is set by echelon3; remove it")
-    batch = per_rank_batch(int(config.get("batch_size", 1)), world_size,
+    batch = per_rank_batch(config.get("batch_size", 1), world_size,
                            f"{key}.config.batch_size")
     shuffle = bool(config.pop("shuffle", train))
     drop_last = bool(config.pop("drop_last", False))
@@ -144,6 +149,10 @@ def create_dataloader(name: str, spec: Mapping, dataset: Dataset, *, train: bool
     else:
         sampler = ShardSampler(dataset, world_size, rank)
     config.update(batch_size=batch, drop_last=drop_last if train else False)
+    if not isinstance(dataset, IterableDataset):
+        dataset = GuardedDataset(dataset, data_key)
+        if "collate_fn" not in config:
+            config["collate_fn"] = GuardedCollate(None, data_key)
     workers = int(config.get("num_workers", 0))
     if workers > 0:
         config.setdefault("persistent_workers", False)
@@ -178,21 +187,27 @@ def skip_batches(loader: DataLoader, batches: int) -> None:
 
 def create_dataloaders(loaders_cfg: Mapping, train_set: Dataset | None,
                        test_sets: Mapping[str, Dataset], *, rank: int = 0, world_size: int = 1,
-                       seed: int = 0, config_dir=None) -> tuple[DataLoader | None,
-                                                                dict[str, DataLoader]]:
+                       seed: int = 0, config_dir=None,
+                       data_keys: Mapping[str, str] | None = None) -> tuple[
+                           DataLoader | None, dict[str, DataLoader]]:
     """The train loader and one loader per test set (``dataloaders.test`` unless a loader
-    is configured under the test set's own name)."""
+    is configured under the test set's own name). ``data_keys``: the config key of a test
+    set, when not ``data.test`` / ``data.test.<name>``."""
     loaders_cfg = loaders_cfg or {}
     common = dict(rank=rank, world_size=world_size, seed=seed, config_dir=config_dir)
     train = None
     if train_set is not None:
         if "train" not in loaders_cfg:
             raise BuildError("dataloaders.train", "required section missing")
-        train = create_dataloader("train", loaders_cfg["train"], train_set, train=True, **common)
+        train = create_dataloader("train", loaders_cfg["train"], train_set, train=True,
+                                  data_key="data.train", **common)
     tests = {}
     for name, dataset in test_sets.items():
         key = name if name in loaders_cfg else "test"
         if key not in loaders_cfg:
             raise BuildError("dataloaders.test", f"required to load test set '{name}'")
-        tests[name] = create_dataloader(key, loaders_cfg[key], dataset, train=False, **common)
+        data_key = (data_keys or {}).get(name) or ("data.test" if name == "test"
+                                                   else f"data.test.{name}")
+        tests[name] = create_dataloader(key, loaders_cfg[key], dataset, train=False,
+                                        data_key=data_key, **common)
     return train, tests

@@ -239,6 +239,17 @@ OOM_HINT = ("killed by SIGKILL, most likely the OOM-killer: lower "
             "dataloaders.*.config.num_workers / prefetch_factor (they are per rank)")
 
 
+PEER_LOST = "stopped: another rank failed (its message is above)"
+PEER_LOST_EXIT = 75  # a rank that stopped only because another one failed
+
+
+def peer_lost(e: BaseException) -> bool:
+    """True for the error a collective raises when another rank of the job has died."""
+    text = str(e)
+    return type(e).__name__ == "DistNetworkError" or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer"))
+
+
 def _describe_failures(err) -> tuple[str, int]:
     """Turn elastic's ChildFailedError into one readable message and an exit code.
 
@@ -248,8 +259,16 @@ def _describe_failures(err) -> tuple[str, int]:
     import signal
 
     lines, codes = [], set()
-    for rank, failure in sorted(err.failures.items()):
+    failures = sorted(err.failures.items())
+    if any(f.exitcode != PEER_LOST_EXIT for _, f in failures):
+        failures = [(r, f) for r, f in failures if f.exitcode != PEER_LOST_EXIT]
+    for rank, failure in failures:
         code = failure.exitcode
+        if code == PEER_LOST_EXIT:
+            codes.add(1)
+            lines.append(f"rank {rank} (pid {failure.pid}) lost its peers; the rank that "
+                         "failed first left no message (killed?)")
+            continue
         if code in (130, -signal.SIGINT):
             codes.add(130)
             continue

@@ -16,7 +16,12 @@ class UserError(Exception):
     def __init__(self, key: str | None, message: str):
         self.key = key
         self.message = message
-        super().__init__(f"{key}: {message}" if key else message)
+        super().__init__(one_line(f"{key}: {message}" if key else message))
+
+
+def one_line(text: str) -> str:
+    """``text`` with control characters (a newline in a key, a stray CR) shown as escapes."""
+    return "".join(c if c.isprintable() or c == " " else ascii(c)[1:-1] for c in str(text))
 
 
 class ConfigError(UserError):

@@ -17,6 +17,7 @@ from tqdm import tqdm  # not tqdm.auto: its asyncio variant opens every loader t
 
 from echelon3.checkpoint import atomic_write_text
 from echelon3.dist import all_reduce_sum_, is_main
+from echelon3.samples import naming_bad_labels
 
 log = logging.getLogger(__name__)
 
@@ -80,17 +81,18 @@ def evaluate_sets(net, loaders: Mapping, metrics: Mapping, *, precision, device,
         loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
         for batch in tqdm(loader, desc=f"evaluate {set_name}", leave=False,
                           disable=None if progress and is_main() else True):
-            inputs, target = to_device(split_batch(batch), device)
-            with precision.autocast():
-                pred = net(inputs)
-                if losses:
-                    total, _ = weighted_loss(losses, pred, target, float_labels)
-                    loss_sum[0] += total.double() * len(target)
-            loss_sum[1] += len(target)
-            if with_metrics:
-                pred, target = match_target(pred.float(), target, float_labels)
-                for metric in metrics.values():
-                    metric.update(pred, target)
+            with naming_bad_labels(batch, metrics):
+                inputs, target = to_device(split_batch(batch), device)
+                with precision.autocast():
+                    pred = net(inputs)
+                    if losses:
+                        total, _ = weighted_loss(losses, pred, target, float_labels)
+                        loss_sum[0] += total.double() * len(target)
+                loss_sum[1] += len(target)
+                if with_metrics:
+                    pred, target = match_target(pred.float(), target, float_labels)
+                    for metric in metrics.values():
+                        metric.update(pred, target)
         if losses:
             all_reduce_sum_(loss_sum)
             results[metric_name(set_name, "loss", named_sets)] = (

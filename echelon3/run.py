@@ -107,6 +107,7 @@ def run(rc, device, launcher) -> None:
         loaders_cfg = {**loaders_cfg, "run": loaders_cfg.get("test")}
     _, loaders = create_dataloaders(loaders_cfg, None, sets, rank=launcher.rank,
                                     world_size=launcher.world_size, seed=cfg.get("seed", 0),
-                                    config_dir=rc.config_dir)
+                                    config_dir=rc.config_dir,
+                                    data_keys={"run": "runner.config.data"} if data else None)
     net, precision = load_for_inference(rc, device, getattr(runner, "checkpoint", None))
     runner(net=net, loaders=loaders, precision=precision, device=device, named_sets=named)

@@ -223,7 +223,10 @@ def spawned_worker(task: Task, cfg: dict, config_dir: str, config_file: str, pla
         sys.exit(130)
     except preemption.Preempted:
         sys.exit(preemption.RESUBMIT_EXIT)
-    except BaseException:
+    except BaseException as e:
+        if dist.peer_lost(e):  # the rank that failed has said why; no second story here
+            print(f"echelon3: [rank {rank}] {dist.PEER_LOST}", file=sys.stderr, flush=True)
+            sys.exit(dist.PEER_LOST_EXIT)
         print(f"[rank {rank}] " + traceback.format_exc().rstrip(), file=sys.stderr, flush=True)
         sys.exit(1)
 

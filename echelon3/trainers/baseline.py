@@ -33,6 +33,7 @@ from echelon3.dist import all_gather_object, get_rank, get_world_size, is_main, 
 from echelon3.errors import ConfigError
 from echelon3.evaluate import evaluate_sets, metric_name, split_batch, to_device, weighted_loss
 from echelon3.runtime import interrupted
+from echelon3.samples import naming_bad_labels
 from echelon3.trainers.running import RunningLosses
 from echelon3.trainers.nonfinite import NonFiniteGuard
 from echelon3.trainers.selection import KeepBest
@@ -221,16 +222,17 @@ class Trainer:
             if interrupted():
                 raise KeyboardInterrupt
             started = clock.step_started()
-            if i % self.log_every == sample_at:
-                parts = clock.sample_device(lambda: self.train_step(batch))
-            else:
-                parts = self.train_step(batch)
+            with naming_bad_labels(batch, self.metrics):
+                if i % self.log_every == sample_at:
+                    parts = clock.sample_device(lambda: self.train_step(batch))
+                else:
+                    parts = self.train_step(batch)
             clock.step_ended(started)
             self.global_step += 1
             self.nonfinite.observe(epoch + 1, self.global_step, parts)
             self.running.add(parts)
             if i % self.log_every == 0 or i == steps:
-                self.nonfinite.check()
+                self.nonfinite.check(lagged=True)
                 self._log(self.running.close_interval(
                     {"split": "train", "epoch": epoch + 1, "step": self.global_step}))
             if i in validate_at:

@@ -26,7 +26,7 @@ PROMISE = "SIGKILL at any instant: the rerun ends with the uninterrupted weights
 SEED = 20261130
 EPOCHS = 3
 RECORDS = EPOCHS * 4  # 3 train records (every 2 of 6 steps) and 1 validation per epoch
-MODES = {"single": 12, "builtin": 4, "torchrun": 4}  # trials per launcher
+MODES = {"single": 16, "builtin": 2, "torchrun": 2}  # trials per launcher
 TIMEOUT = 240
 
 

@@ -9,6 +9,7 @@ params.sweeps.
 
 import json
 import logging
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -18,11 +19,18 @@ log = logging.getLogger("report")
 
 
 def read_metrics(path):
-    with open(path) as f:
-        metrics = json.load(f)
+    try:
+        with open(path) as f:
+            metrics = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg}, line {e.lineno}); rerun its "
+                         "evaluate job") from e
     if not isinstance(metrics, dict):
         raise ValueError(f"{path}: expected a JSON object of metric -> value")
-    return {key: float(value) for key, value in metrics.items()}
+    try:
+        return {key: float(value) for key, value in metrics.items()}
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: every value must be a number ({e})") from e
 
 
 def read_history(path):
@@ -126,4 +134,7 @@ def main(smk):
 
 
 if __name__ == "__main__":
-    main(snakemake)  # noqa: F821 (injected by Snakemake's script directive)
+    try:
+        main(snakemake)  # noqa: F821 (injected by Snakemake's script directive)
+    except (OSError, ValueError) as e:  # a file that cannot be read: one line naming it
+        sys.exit(f"report: {e}")

@@ -1,0 +1,185 @@
+"""A bad sample, named: its index and the config key of its data set, from any rank and any
+loader worker, in one line.
+
+Every map-style data set is wrapped in :class:`GuardedDataset` and every loader's
+``collate_fn`` in :class:`GuardedCollate` when the loader is built. A ``__getitem__``
+that raises, or samples of one batch whose shapes or dtypes differ, become a
+:class:`DataError` naming ``data.train`` (or ``data.test.<name>``) and the index. Batches
+remember the indices they hold, so a label outside the classes of a configured metric,
+found when a loss or metric rejects the batch, is named the same way (on the CPU copy, so
+even after a device-side assert).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch.utils.data import Dataset, default_collate
+
+from echelon3.errors import UserError
+
+_PREFIX = f"{__name__}.DataError: "  # how a worker's traceback names it
+
+
+class DataError(UserError):
+    """A sample that cannot be used. Built again from torch's text when a loader worker
+    raised it (torch re-raises a worker's exception as ``type(message)``)."""
+
+    def __init__(self, key: str, message: str | None = None):
+        if message is None:  # re-raised by torch from a loader worker
+            lines = [line for line in str(key).splitlines() if line.startswith(_PREFIX)]
+            key, _, message = (lines[-1][len(_PREFIX):] if lines else str(key)).partition(": ")
+        super().__init__(key, message)
+
+
+class Batch(list):
+    """A collated batch that knows which samples it holds (``indices``) and where from."""
+
+    indices: list[int] = []
+    key: str = ""
+
+
+class BatchDict(dict):
+    indices: list[int] = []
+    key: str = ""
+
+
+class _Samples(list):
+    indices: list[int] = []
+
+
+class GuardedDataset(Dataset):
+    """``dataset`` whose failures name the sample; everything else is passed through."""
+
+    def __init__(self, dataset: Dataset, key: str):
+        self.dataset, self.key = dataset, key
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("dataset", "key"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __getitem__(self, index):
+        try:
+            return self.dataset[index]
+        except UserError:
+            raise
+        except Exception as e:
+            raise DataError(self.key, f"sample {index}: {type(e).__name__}: "
+                            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+
+    def __getitems__(self, indices: list[int]) -> list:
+        samples = _Samples(self[i] for i in indices)
+        samples.indices = list(indices)
+        return samples
+
+
+def _signature(sample: Any) -> Any:
+    if isinstance(sample, torch.Tensor):
+        return (tuple(sample.shape), sample.dtype)
+    if isinstance(sample, Mapping):
+        return {k: _signature(v) for k, v in sample.items()}
+    if isinstance(sample, list | tuple):
+        return [_signature(v) for v in sample]
+    return type(sample).__name__
+
+
+def _describe(signature: Any) -> str:
+    if isinstance(signature, tuple) and len(signature) == 2:
+        shape, dtype = signature
+        return f"shape {list(shape)} {str(dtype).replace('torch.', '')}"
+    return str(signature)
+
+
+def _first_difference(a: Any, b: Any) -> tuple[Any, Any]:
+    if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
+        for k in a:
+            if a[k] != b[k]:
+                return _first_difference(a[k], b[k])
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for x, y in zip(a, b):
+            if x != y:
+                return _first_difference(x, y)
+    return a, b
+
+
+class GuardedCollate:
+    """``collate_fn`` that names a sample unlike the first of its batch; with the default
+    collate, samples must agree in shape and dtype (a custom one may pad)."""
+
+    def __init__(self, collate_fn=None, key: str = ""):
+        self.collate_fn, self.key = collate_fn, key
+        self.strict = collate_fn is None or collate_fn is default_collate
+
+    def _odd_one(self, samples: list, indices: list[int]) -> DataError | None:
+        first = _signature(samples[0])
+        for index, sample in zip(indices[1:], samples[1:]):
+            signature = _signature(sample)
+            if signature != first:
+                theirs, ours = _first_difference(signature, first)
+                return DataError(self.key, f"sample {index}: {_describe(theirs)}, but sample "
+                                 f"{indices[0]} of the same batch has {_describe(ours)}")
+        return None
+
+    def __call__(self, samples: list):
+        indices = list(getattr(samples, "indices", None) or range(len(samples)))
+        odd = self._odd_one(samples, indices) if self.strict and samples else None
+        if odd is not None:
+            raise odd
+        try:
+            batch = (self.collate_fn or default_collate)(list(samples))
+        except Exception as e:
+            odd = self._odd_one(samples, indices) if samples else None
+            if odd is None:
+                raise
+            raise odd from e
+        marked = Batch(batch) if type(batch) is list else \
+            BatchDict(batch) if type(batch) is dict else batch
+        if marked is not batch:
+            marked.indices, marked.key = indices, self.key
+        return marked
+
+
+def _label_classes(metrics: Mapping) -> tuple[str, int] | None:
+    for name, metric in (metrics or {}).items():
+        classes = getattr(metric, "num_classes", None)
+        if isinstance(classes, int) and not isinstance(classes, bool) and classes > 0:
+            return name, classes
+    return None
+
+
+@contextlib.contextmanager
+def naming_bad_labels(batch: Any, metrics: Mapping) -> Iterator[None]:
+    """When a loss or metric fails on ``batch``, name a label outside the classes of the
+    first metric that has ``num_classes``; any other failure passes through unchanged."""
+    try:
+        yield
+    except (IndexError, RuntimeError, ValueError) as e:
+        found = _bad_label(batch, metrics)
+        if found is None:
+            raise
+        raise found from e
+
+
+def _bad_label(batch: Any, metrics: Mapping) -> DataError | None:
+    indices = getattr(batch, "indices", None)
+    classes = _label_classes(metrics)
+    if not indices or classes is None:
+        return None
+    target = batch[1] if isinstance(batch, list) else batch.get("target")
+    if not isinstance(target, torch.Tensor) or target.is_floating_point():
+        return None
+    name, count = classes
+    flat = target.reshape(len(indices), -1) if target.numel() else target
+    bad = ((flat < 0) | (flat >= count)).reshape(len(indices), -1).any(dim=1)
+    if not bad.any():
+        return None
+    row = int(bad.nonzero()[0])
+    value = flat[row][(flat[row] < 0) | (flat[row] >= count)][0].item()
+    return DataError(getattr(batch, "key", "data"), f"sample {indices[row]}: label {value} is "
+                     f"outside the {count} classes (0 to {count - 1}) of metrics.{name}")
