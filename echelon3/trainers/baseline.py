@@ -214,7 +214,9 @@ class Trainer:
         steps, world = len(self.train_loader), get_world_size()
         validate_at = {round(steps * (k + 1) / self.validations)
                        for k in range(self.validations - 1)}
-        sample_at = self.log_every // 2 if clock.cuda else -1  # one device-timed step per log
+        # On a GPU one step per log interval runs between CUDA events (none when that would
+        # be most steps).
+        sample_at = self.log_every // 2 if clock.cuda and self.log_every >= 4 else -1
         self._bar = bar = tqdm(clock.batches(batches), total=steps, initial=done,
                                desc=f"epoch {epoch + 1}/{self.epochs}",
                                disable=None if self.progress_bar else True, dynamic_ncols=True)

@@ -1,6 +1,7 @@
 """Helpers shared by the rules: the experiment table, inputs, params, resources.
 CONFIG_FILE comes from checks.smk, included before."""
 
+import functools
 import itertools
 import keyword
 import os
@@ -225,9 +226,16 @@ def experiment_config(wildcards):
     return str(CONFIG_DIR / f"{EXPERIMENTS[wildcards.exp]['config']}.yaml")
 
 
+@functools.cache
+def _composed_by(name):
+    """`_composed_files` once per config name: a sweep shares one config across many
+    experiments, and reading the YAML per job made the DAG grow slow."""
+    return tuple(_composed_files(name, set())[1:])
+
+
 def composed_configs(wildcards):
     """Config files the experiment's config composes (its defaults list)."""
-    return _composed_files(EXPERIMENTS[wildcards.exp]["config"], set())[1:]
+    return list(_composed_by(EXPERIMENTS[wildcards.exp]["config"]))
 
 
 # --- params ---------------------------------------------------------------------
