@@ -20,6 +20,7 @@ warn_placeholder_slurm_settings()
 
 
 include: "workflow/rules/common.smk"
+include: "workflow/rules/report_inputs.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/run.smk"
