@@ -34,7 +34,7 @@ from echelon3.errors import ConfigError, did_you_mean
 ROOT_KEYS = (
     "device", "gpus", "nproc", "precision", "seed", "device_ids", "on_config_change",
     "net", "data", "dataloaders", "loss", "metrics", "optimizer", "scheduler",
-    "trainer", "target", "mlops", "evaluator", "runner",
+    "trainer", "target", "mlops", "evaluator", "runner", "init_from", "finetune", "export",
 )
 
 _KEY = re.compile(r"^[A-Za-z_][\w\-]*(\.[\w\-]+|\[\d+\])*$")

@@ -137,6 +137,7 @@ def all_targets():
         *results("results/plots/curves/{exp}.png"),
         "results/plots/metrics.png",
         *expand("results/plots/sweeps/{sweep}.png", sweep=config["sweeps"]),
+        *export_targets(),  # chains.smk
     ]
 
 
