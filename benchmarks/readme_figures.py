@@ -1,13 +1,13 @@
-"""Measure the figures README.md gives for the embedded default, and write them in.
+"""Measure the figures docs/getting-started.md gives for the embedded default, and write them in.
 
 Runs the shipped workflow (`snakemake -j1`, config/config.yaml as it is) in a
 scratch copy of the project, then reads what it left: each run's summary.json
 (best epoch, time spent in `echelon3 train` after start-up) and metrics.json
-(test accuracy of best.tar). The table between the README's
+(test accuracy of best.tar). The table between the page's
 ``<!-- readme_figures:start -->`` and ``<!-- readme_figures:end -->`` markers
 is replaced, dated, with the machine's core count and torch version.
 
-    python benchmarks/readme_figures.py            # measure and rewrite README.md
+    python benchmarks/readme_figures.py            # measure and rewrite the page
     python benchmarks/readme_figures.py --print    # measure and print only
 """
 
@@ -26,6 +26,7 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+PAGE = REPO / "docs" / "getting-started.md"
 START, END = "<!-- readme_figures:start -->", "<!-- readme_figures:end -->"
 
 
@@ -79,13 +80,13 @@ def rewrite(readme: Path, text: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--print", action="store_true", help="print the table, leave README.md")
+    parser.add_argument("--print", action="store_true", help="print the table, leave the page")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="echelon3-figures-") as tmp:
         text = table(Path(tmp), run_workflow(Path(tmp)))
     print(text)
     if not args.print:
-        rewrite(REPO / "README.md", text)
+        rewrite(PAGE, text)
 
 
 if __name__ == "__main__":

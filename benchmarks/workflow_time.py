@@ -4,7 +4,7 @@ Runs the workflow twice in fresh copies of Snakefile, workflow/, config/ and pro
 once as shipped, once without the experiments that finetune from another
 (`init_from`) — the default before the chain — and prints both wall times and
 their difference. With --write-readme the figures replace the marked line in
-README.md, dated, with the machine's load average at the start (a busy machine
+docs/getting-started.md, dated, with the machine's load average at the start (a busy machine
 makes every job slower).
 
     python benchmarks/workflow_time.py [--write-readme]
@@ -26,6 +26,7 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+PAGE = REPO / "docs" / "getting-started.md"
 MARK = re.compile(r"<!-- workflow-time -->.*?<!-- /workflow-time -->", re.S)
 
 
@@ -63,11 +64,10 @@ def main() -> None:
             "<!-- /workflow-time -->")
     print(line)
     if args.write_readme:
-        readme = REPO / "README.md"
-        text = readme.read_text()
+        text = PAGE.read_text()
         if not MARK.search(text):
-            sys.exit("README.md has no <!-- workflow-time --> line to replace")
-        readme.write_text(MARK.sub(lambda _: line, text))
+            sys.exit(f"{PAGE} has no <!-- workflow-time --> line to replace")
+        PAGE.write_text(MARK.sub(lambda _: line, text))
 
 
 if __name__ == "__main__":

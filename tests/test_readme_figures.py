@@ -1,5 +1,5 @@
-"""benchmarks/readme_figures.py: README's figures of the embedded default are the
-script's table, dated, not numbers typed by hand."""
+"""benchmarks/readme_figures.py: the figures of the embedded default (docs/getting-started.md)
+are the script's table, dated, not numbers typed by hand."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def script():
 
 def test_readme_table_is_the_scripts_output_between_its_markers():
     figures = script()
-    readme = (REPO / "README.md").read_text()
+    readme = figures.PAGE.read_text()
     region = readme.split(figures.START, 1)[1].split(figures.END, 1)[0].strip().splitlines()
     assert region[0].startswith("| run | training (`echelon3 train`, after start-up) |")
     config = yaml.safe_load((REPO / "config/config.yaml").read_text())
