@@ -152,7 +152,8 @@ def _root_rows(repo: Path, meanings: dict, missing: list[str]) -> list[tuple[str
     needed, built_in = required_by(repo), built_in_defaults(repo)
     rows = []
     for key in ROOT_KEYS:
-        default = built_in.get(key) or _default_text(defaults.get(key))
+        # A section some task requires has no default worth showing (`or {}` in a reader).
+        default = built_in.get(key) or ("—" if key in needed else _default_text(defaults.get(key)))
         tasks = ", ".join(needed.get(key, [])) or "—"
         rows.append((f"`{key}`", default, tasks, _meaning(meanings, "root", key, missing)))
     _check_stale(meanings, "root", ROOT_KEYS, missing)
