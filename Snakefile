@@ -20,9 +20,13 @@ warn_placeholder_slurm_settings()
 
 
 include: "workflow/rules/common.smk"
+include: "workflow/rules/chains.smk"
+include: "workflow/rules/report_inputs.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/finetune.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/run.smk"
+include: "workflow/rules/export.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/summary.smk"
 

@@ -2,6 +2,8 @@
 
 Run on a machine with a CUDA GPU:  python benchmarks/gpu_check.py
 Every row is measured in this run; speed rows are ratios of two runs side by side.
+The compile rows train through echelon3's own trainer (``echelon3 train``), as a
+user would: eager against ``compile: true, compile_mode: reduce-overhead``.
 Exits 1 if a correctness row fails, 0 otherwise; on a machine without CUDA it says so
 and exits 0.
 """
@@ -17,8 +19,10 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 rows: list[tuple[str, str, str]] = []
 failures = 0
 
@@ -80,33 +84,44 @@ def check_matmul_speed(device) -> None:
     row("matmul speed-up bf16 / fp32", f"{fp32 / half:.2f}x", fp32 / half > 1.5)
 
 
+def trainer_steps(device: str, extra: list[str], smoke: bool = False) -> dict:
+    """``echelon3 train`` on the tiny-MLP row of ``workloads.py``, on ``device``: the
+    steady-state ms per step (epochs 2.., validation and checkpoint left out, best epoch)
+    and the graphs torch.compile compiled per epoch, from the run's ``time`` records."""
+    from benchmarks.parity import echelon3_config
+    from benchmarks.workloads import workloads
+
+    w = next(v for v in workloads(smoke).values() if "tiny MLP" in v.name and
+             v.device == ("cuda" if device == "cuda" else "cpu"))
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        target = Path(tmp) / "run"
+        cfg = echelon3_config(w, target)
+        cfg["trainer"]["config"]["epochs"] = 3
+        (Path(tmp) / "tiny.yaml").write_text(yaml.safe_dump(cfg))
+        done = subprocess.run([sys.executable, "-m", "echelon3", "train", "-cd", tmp, "-cn",
+                               "tiny", *extra], cwd=REPO, capture_output=True, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(REPO)))
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr[-2000:])
+        records = [json.loads(line) for line in (target / "history.jsonl").open()]
+    times = [r for r in records if r["split"] == "time"]
+    per_step = [1e3 * r["epoch_s"] * (1 - r["validation_checkpoint"]) / r["steps"]
+                for r in times[1:]]
+    return {"ms": min(per_step), "compiles": [r.get("compiles", 0) for r in times]}
+
+
 def check_compile_speed(device) -> None:
-    """A small, launch-bound MLP train step: eager vs torch.compile, steady state."""
-    def make():
-        torch.manual_seed(0)
-        layers = []
-        for _ in range(8):
-            layers += [torch.nn.Linear(256, 256), torch.nn.GELU()]
-        return torch.nn.Sequential(*layers, torch.nn.Linear(256, 10)).to(device)
-
-    x = torch.randn(64, 256, device=device)
-    y = torch.randint(0, 10, (64,), device=device)
-    results = {}
-    for name in ("eager", "compiled"):
-        net = make()
-        model = torch.compile(net) if name == "compiled" else net
-        opt = torch.optim.SGD(net.parameters(), lr=0.01)
-
-        def step():
-            opt.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-
-        for _ in range(20):
-            step()  # compile warm-up and recompiles happen here
-        results[name] = timed(step, 200)
-    row("train step eager (ms)", f"{results['eager'] * 1e3:.3f}")
-    row("train step speed-up compiled / eager", f"{results['eager'] / results['compiled']:.2f}x")
+    """The launch-bound tiny MLP through echelon3's own trainer: eager against
+    ``compile: true, compile_mode: reduce-overhead``, steady state, recompiles counted."""
+    eager = trainer_steps("cuda", [])
+    row("trainer step eager, tiny MLP (ms)", f"{eager['ms']:.3f}")
+    compiled = trainer_steps("cuda", ["trainer.config.compile=true",
+                                      "trainer.config.compile_mode=reduce-overhead"])
+    speedup = eager["ms"] / compiled["ms"]
+    row("trainer step compiled reduce-overhead (ms)", f"{compiled['ms']:.3f}")
+    row("compiled / eager speed (goal >= 1.5x)", f"{speedup:.2f}x", speedup >= 1.5)
+    warm, later = compiled["compiles"][0], compiled["compiles"][1:]
+    row("graphs compiled: epoch 1 / after", f"{warm} / {sum(later)}", sum(later) == 0)
 
 
 def check_end_to_end() -> None:
@@ -147,7 +162,6 @@ def check_end_to_end() -> None:
 
 
 def main() -> int:
-    sys.path.insert(0, str(REPO))
     os.environ.setdefault("PYTHONPATH", str(REPO))
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU on this machine; nothing to check")

@@ -6,7 +6,8 @@ Same seeds and the same order of random draws as ``echelon3 train`` (seed, build
 the network, re-seed; a DistributedSampler of one replica for the data order),
 so in fp32 both reach the same loss. Per epoch: train, step the scheduler,
 validate (loss and metrics), save a checkpoint. ``OUT_DIR/checkpoint-<epoch>.tar``
-mtimes give the per-epoch times; ``OUT_DIR/final.json`` the last validation.
+mtimes give the per-epoch times; ``OUT_DIR/final.json`` the last validation and
+the process CPU time at the end of each epoch.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import importlib
 import json
 import random
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +75,7 @@ def main(argv: list[str]) -> None:
     dtype = torch.bfloat16 if w.precision == "bf16" else None
     seed(0)
     out.mkdir(parents=True, exist_ok=True)
+    cpu: list[float] = []  # process CPU seconds at the end of each epoch
     for epoch in range(w.epochs):
         sampler.set_epoch(epoch)
         net.train()
@@ -88,7 +91,8 @@ def main(argv: list[str]) -> None:
         torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(), "epoch": epoch + 1},
                    out / f"checkpoint-{epoch + 1}.tar")
-    (out / "final.json").write_text(json.dumps(results))
+        cpu.append(time.process_time())
+    (out / "final.json").write_text(json.dumps(dict(results, cpu_at_epoch_end=cpu)))
 
 
 @torch.no_grad()

@@ -66,9 +66,9 @@ def steady_epoch_seconds(folder: Path, epochs: int) -> float:
     return (times[1] - times[0]) / (epochs - 1)
 
 
-def run_side(side: str, w: Workload, work: Path, smoke: bool,
-             threads: int) -> tuple[float, float, str]:
-    """(steady seconds per epoch, final validation loss, echelon3's limit line)."""
+def run_side(side: str, w: Workload, work: Path, smoke: bool, threads: int) -> dict:
+    """One run: steady wall and CPU seconds per epoch, final validation loss, echelon3's
+    lever line and where its last epoch's time went."""
     out = work / f"{side}-{time.monotonic_ns()}"
     env = dict(os.environ, PYTHONPATH=str(REPO))
     if threads:
@@ -83,53 +83,68 @@ def run_side(side: str, w: Workload, work: Path, smoke: bool,
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{side} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    result = {"wall": steady_epoch_seconds(out, w.epochs), "lever": "", "report": None}
     if side == "hand":
-        loss = json.loads((out / "final.json").read_text())["loss"]
-        limit = ""
+        final = json.loads((out / "final.json").read_text())
+        cpu = final["cpu_at_epoch_end"]
+        result.update(loss=final["loss"], cpu=(cpu[-1] - cpu[0]) / (w.epochs - 1))
     else:
         records = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
-        loss = [r for r in records if r.get("split") == "val"][-1]["loss"]
+        times = [r for r in records if r["split"] == "time"]
+        result.update(loss=[r for r in records if r["split"] == "val"][-1]["loss"],
+                      cpu=statistics.fmean(r["cpu_s"] for r in times[1:]), report=times[-1])
         lines = [line for line in done.stderr.splitlines() if "-bound: " in line]
-        limit = lines[-1].split("] ", 1)[-1] if lines else ""
-    return steady_epoch_seconds(out, w.epochs), loss, limit
+        result["lever"] = lines[-1].split("] ", 1)[-1] if lines else ""
+    return result
 
 
 def measure(w: Workload, runs: int, smoke: bool, threads: int) -> dict:
-    times: dict[str, list[float]] = {"hand": [], "echelon3": []}
-    losses: dict[str, float] = {}
-    limit = ""
+    results: dict[str, list[dict]] = {"hand": [], "echelon3": []}
     with tempfile.TemporaryDirectory(prefix="parity-") as tmp:
         for k in range(runs):
             order = ("hand", "echelon3") if k % 2 == 0 else ("echelon3", "hand")
             for side in order:
-                seconds, losses[side], found = run_side(side, w, Path(tmp), smoke, threads)
-                limit = found or limit
-                times[side].append(seconds)
-    hand, ours = times["hand"], times["echelon3"]
-    same = abs(losses["hand"] - losses["echelon3"]) <= 1e-5 * max(1.0, abs(losses["hand"]))
-    return {"row": w.name, "hand_min": min(hand), "hand_median": statistics.median(hand),
-            "ours_min": min(ours), "ours_median": statistics.median(ours),
-            "ratio_min": min(ours) / min(hand),
-            "ratio_median": statistics.median(ours) / statistics.median(hand),
-            "loss_hand": losses["hand"], "loss_ours": losses["echelon3"],
-            "same_loss": same if w.precision == "fp32" else None, "limit": limit}
+                results[side].append(run_side(side, w, Path(tmp), smoke, threads))
+    hand, ours = results["hand"], results["echelon3"]
+    row = {"row": w.name, "loss_hand": hand[-1]["loss"], "loss_ours": ours[-1]["loss"],
+           "lever": next((r["lever"] for r in ours if r["lever"]), ""),
+           "report": ours[-1]["report"]}
+    for key in ("wall", "cpu"):
+        a, b = [r[key] for r in hand], [r[key] for r in ours]
+        row.update({f"hand_{key}": (min(a), statistics.median(a)),
+                    f"ours_{key}": (min(b), statistics.median(b)),
+                    f"ratio_{key}": (min(b) / min(a),
+                                     statistics.median(b) / statistics.median(a))})
+    same = abs(row["loss_hand"] - row["loss_ours"]) <= 1e-5 * max(1.0, abs(row["loss_hand"]))
+    row["same_loss"] = same if w.precision == "fp32" else None
+    return row
 
 
 def table(results: list[dict], runs: int, threads: int) -> str:
-    lines = [f"| workload | hand-written s/epoch (min / median) | echelon3 s/epoch (min / median) "
-             f"| ratio min | ratio median | same final loss (fp32) | echelon3 says |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| workload | hand-written s/epoch: wall (min / median), CPU (min) "
+             "| echelon3 s/epoch: wall (min / median), CPU (min) | **ratio wall min** "
+             "| ratio wall median | ratio CPU min | same final loss (fp32) "
+             "| echelon3's last epoch: data / step / overhead / val+ckpt |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "skipped" in r:
-            lines.append(f"| {r['row']} | {r['skipped']} | | | | | |")
+            lines.append(f"| {r['row']} | {r['skipped']} | | | | | | |")
             continue
         same = {True: "yes", False: "NO", None: "n/a (bf16)"}[r["same_loss"]]
+        rep = r["report"] or {}
+        shares = " / ".join(f"{rep.get(k, 0):.1%}" for k in
+                            ("data_wait", "train_step", "overhead", "validation_checkpoint"))
         lines.append(
-            f"| {r['row']} | {r['hand_min']:.3f} / {r['hand_median']:.3f} "
-            f"| {r['ours_min']:.3f} / {r['ours_median']:.3f} | **{r['ratio_min']:.3f}** "
-            f"| {r['ratio_median']:.3f} | {same} ({r['loss_ours']:.6f}) | {r['limit']} |")
+            f"| {r['row']} | {r['hand_wall'][0]:.3f} / {r['hand_wall'][1]:.3f}, "
+            f"{r['hand_cpu'][0]:.3f} | {r['ours_wall'][0]:.3f} / {r['ours_wall'][1]:.3f}, "
+            f"{r['ours_cpu'][0]:.3f} | **{r['ratio_wall'][0]:.3f}** | {r['ratio_wall'][1]:.3f} "
+            f"| {r['ratio_cpu'][0]:.3f} | {same} ({r['loss_ours']:.6f}) | {shares} |")
     lines.append(f"\n{runs} A/B-alternated runs per side; steady state = epochs 2..E; "
-                 f"OMP_NUM_THREADS={threads or 'default'}.")
+                 f"OMP_NUM_THREADS={threads or 'default'}. Wall: from the checkpoint mtimes; "
+                 "CPU: the process's CPU seconds per steady epoch.")
+    levers = [f"- {r['row']}: {r['lever']}" for r in results if r.get("lever")]
+    if levers:
+        lines.append("\nechelon3's lever lines:\n" + "\n".join(levers))
     return "\n".join(lines)
 
 
@@ -152,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{w.name}: no GPU", flush=True)
             continue
         results.append(measure(w, args.runs, args.smoke, args.threads))
-        print(f"{w.name}: ratio {results[-1]['ratio_min']:.3f}", flush=True)
+        print(f"{w.name}: ratio wall {results[-1]['ratio_wall'][0]:.3f}, "
+              f"CPU {results[-1]['ratio_cpu'][0]:.3f}", flush=True)
     text = table(results, args.runs, args.threads)
     print(text)
     if not args.no_append:

@@ -125,3 +125,25 @@ def workloads(smoke: bool = False) -> dict[str, Workload]:
                  pin_memory=True, test_size=10_000 // scale),
     ]
     return {w.name: w for w in rows}
+
+
+class StampedMLP(nn.Module):
+    """echelon3's MLP that writes ``time.time()`` to ``$FIRST_STEP_FILE`` on its first
+    training forward pass: how ``startup.py`` sees the first training step begin."""
+
+    def __init__(self, **config):
+        super().__init__()
+        from echelon3.nets.mlp import MLP
+
+        self.net = MLP(**config)
+        self.stamped = False
+
+    def forward(self, x):
+        if self.training and not self.stamped:
+            import os
+            import time
+
+            self.stamped = True
+            with open(os.environ["FIRST_STEP_FILE"], "w") as f:
+                f.write(repr(time.time()))
+        return self.net(x)

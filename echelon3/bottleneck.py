@@ -12,7 +12,8 @@ epoch :meth:`EpochClock.report` returns the fractions of the epoch's wall time:
                    scheduler;
 - ``validation_checkpoint``  validation, keep-best and the checkpoint.
 
-They sum to 1. With torch.compile it adds ``compiles``: graphs compiled during the
+They sum to 1; ``epoch_s`` is the epoch's wall time and ``cpu_s`` the CPU time this
+process used in it (all threads: on a shared machine, the steadier measure). With torch.compile it adds ``compiles``: graphs compiled during the
 epoch; after the first epoch (warm-up) any is a recompile, and is warned about. On a GPU it adds ``device_step_ms`` (CUDA events around one
 step per log interval, read without waiting) and ``device_util`` (NVML's
 utilization, when pynvml is installed). The cost is two clock reads per step.
@@ -71,7 +72,7 @@ class EpochClock:
         self._device_ms: list[float] = []
         self._util: list[float] = []
         self._compiles = compile_count() if self.compiled else 0
-        self._start = time.perf_counter()
+        self._start, self._cpu = time.perf_counter(), time.process_time()
 
     # ------------------------------------------------------------------ per step
 
@@ -136,7 +137,7 @@ class EpochClock:
                  "validation_checkpoint": self.aside_s}
         parts["overhead"] = max(0.0, wall - sum(parts.values()))
         total = sum(parts.values())
-        out = {"epoch_s": wall, "steps": self.steps,
+        out = {"epoch_s": wall, "cpu_s": time.process_time() - self._cpu, "steps": self.steps,
                "step_ms": 1e3 * self.step / max(1, self.steps)}
         out.update({k: v / total for k, v in parts.items()})
         if self._device_ms:

@@ -1,4 +1,4 @@
-"""The ``echelon3`` command: train / evaluate / run, and ``profiles install``.
+"""The ``echelon3`` command: train / finetune / evaluate / run / export, and ``profiles install``.
 
 Heavy imports (torch, the tasks) happen inside the commands, so ``--help`` is
 instant. Exit codes: 0 success, 2 a user error (one line naming the config key
@@ -18,16 +18,23 @@ import traceback
 from echelon3 import profiles
 
 # Sections only another task builds; their components are not imported up front.
-OTHER_TASKS_ONLY = {"train": ("evaluator", "runner"),
-                    "evaluate": ("runner", "trainer", "mlops"),
-                    "run": ("evaluator", "trainer", "mlops")}
+OTHER_TASKS_ONLY = {"train": ("evaluator", "runner", "export"),
+                    "finetune": ("evaluator", "runner", "export"),
+                    "evaluate": ("runner", "trainer", "mlops", "export"),
+                    "run": ("evaluator", "trainer", "mlops", "export"),
+                    "export": ("evaluator", "runner", "dataloaders", "loss", "metrics", "optimizer",
+                               "scheduler", "trainer", "mlops")}
 
 TASKS = {
     "train": ("echelon3.train", "train", "train a network (resumes when target.path holds "
               "checkpoints)"),
+    "finetune": ("echelon3.tasks", "finetune", "train starting from another run's weights "
+                 "(init_from; finetune: freeze_patterns, param_groups)"),
     "evaluate": ("echelon3.evaluate", "evaluate", "compute metrics of a checkpoint over the "
                  "test set(s) and write them as JSON"),
     "run": ("echelon3.run", "run", "run inference with a checkpoint and write predictions as CSV"),
+    "export": ("echelon3.export", "export", "write a checkpoint's network as ONNX and/or "
+               "safetensors weights"),
 }
 
 EPILOG = """overrides (OmegaConf grammar):
@@ -51,7 +58,7 @@ def parser() -> argparse.ArgumentParser:
         prog="echelon3", description="Config-driven PyTorch training: one YAML per run.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_argument("--version", action="version", version=f"echelon3 {__version__}")
-    sub = top.add_subparsers(dest="command", metavar="{train,evaluate,run,profiles}",
+    sub = top.add_subparsers(dest="command", metavar="{" + ",".join([*TASKS, "profiles"]) + "}",
                              required=True)
     for name, (_, _, help_text) in TASKS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG,

@@ -34,7 +34,7 @@ from echelon3.errors import ConfigError, did_you_mean
 ROOT_KEYS = (
     "device", "gpus", "nproc", "precision", "seed", "device_ids", "on_config_change",
     "net", "data", "dataloaders", "loss", "metrics", "optimizer", "scheduler",
-    "trainer", "target", "mlops", "evaluator", "runner",
+    "trainer", "target", "mlops", "evaluator", "runner", "init_from", "finetune", "export",
 )
 
 _KEY = re.compile(r"^[A-Za-z_][\w\-]*(\.[\w\-]+|\[\d+\])*$")
@@ -252,18 +252,19 @@ def to_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True)
 
 
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """``{a: {b: 1}}`` -> ``{"a.b": 1}``: every leaf under its dotted key."""
     if isinstance(node, dict) and node:
         flat = {}
         for key, value in node.items():
-            flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+            flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
         return flat
     return {prefix: node}
 
 
 def changed_keys(old: dict, new: dict, limit: int = 4) -> list[str]:
     """``key: old -> new`` for each leaf that differs (at most ``limit``, then a count)."""
-    before, after = _flatten(old), _flatten(new)
+    before, after = flatten(old), flatten(new)
     absent = object()
 
     def show(value):

@@ -1,4 +1,4 @@
-"""Set-up shared by the train / evaluate / run tasks."""
+"""Set-up shared by the train / evaluate / run tasks, and the ``finetune`` task."""
 
 from __future__ import annotations
 
@@ -37,3 +37,12 @@ def load_for_inference(rc, device, checkpoint: str | None):
     net.to(device).eval()
     log.info("loaded %s (epoch %s); precision %s", path, state.get("epoch"), precision.describe())
     return net, precision
+
+
+def finetune(rc, device, launcher) -> None:
+    """``echelon3 finetune``: ``train`` started from ``init_from``'s weights (required here)."""
+    from echelon3.config import require
+    from echelon3.train import train
+
+    require(rc.cfg, "init_from", task="finetune")
+    train(rc, device, launcher)

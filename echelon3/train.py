@@ -27,8 +27,10 @@ from echelon3.checkpoint import (BEST, KEPT_BEST, CheckpointManager, atomic_writ
                                  load_weights)
 from echelon3.config import RunConfig, changed_keys, require
 from echelon3.data import create_dataloaders
+from echelon3.ddp import DDP_KEYS, check_settings, wrap
 from echelon3.dist import is_main
 from echelon3.errors import CheckpointError, ConfigError
+from echelon3.finetune import WarmStart, scale_group_lrs
 from echelon3.mlops import NoOpLogger
 from echelon3.precision import Precision
 from echelon3.summary import SUMMARY, finish, forget_unfinished
@@ -39,7 +41,7 @@ log = logging.getLogger(__name__)
 
 # trainer.config keys used to set the run up rather than by the loop itself.
 RUNTIME_KEYS = {"precision": None, "tf32": True, "cudnn_benchmark": True, "compile": False,
-                "compile_mode": None, "ddp_find_unused_parameters": True}
+                "compile_mode": None, **DDP_KEYS}
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune",
                  "max-autotune-no-cudagraphs")
 # Keys that may differ between attempts of the same run without making it another run.
@@ -47,8 +49,8 @@ VOLATILE = ("device", "gpus", "nproc", "device_ids", "mlops", "evaluator", "runn
             "on_config_change", "trainer.config.epochs", "trainer.config.precision",
             "trainer.config.tf32", "trainer.config.cudnn_benchmark", "trainer.config.compile",
             "trainer.config.compile_mode", "trainer.config.log_every_n_steps",
-            "trainer.config.progress_bar", "trainer.config.nan_policy", "target.path",
-            "target.checkpoints_to_keep")
+            "trainer.config.progress_bar", "trainer.config.nan_policy", "trainer.config.profile",
+            "target.path", "target.checkpoints_to_keep", "export")
 _LOADER_VOLATILE = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
 ON_CHANGE = ("error", "restart", "resume")
 
@@ -60,10 +62,11 @@ def runtime_settings(cfg) -> dict:
         raise ConfigError("trainer.config.compile_mode", f"must be one of "
                           f"{', '.join(str(m) for m in COMPILE_MODES)}; got "
                           f"{settings['compile_mode']!r}")
-    for key in ("tf32", "cudnn_benchmark", "compile", "ddp_find_unused_parameters"):
+    for key in ("tf32", "cudnn_benchmark", "compile"):
         if not isinstance(settings[key], bool):
             raise ConfigError(f"trainer.config.{key}", f"must be true or false, got "
                               f"{settings[key]!r}")
+    check_settings(settings)
     return settings
 
 
@@ -149,20 +152,6 @@ def write_run_config(cfg, path: Path) -> None:
     atomic_write_text(path / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(data)))
 
 
-def wrap(net, device, world_size: int, settings: dict):
-    """torch.compile first, then DDP: checkpoints strip both prefixes."""
-    model = net
-    if settings["compile"]:
-        model = torch.compile(model, mode=settings["compile_mode"])
-    if world_size > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None,
-            find_unused_parameters=settings["ddp_find_unused_parameters"])
-    return model
-
-
 def assemble_and_fit(rc: RunConfig, device, launcher):
     cfg = rc.cfg
     require(cfg, "net", "data", "dataloaders", "loss", "optimizer", "trainer", "target",
@@ -173,12 +162,16 @@ def assemble_and_fit(rc: RunConfig, device, launcher):
     seed_everything(seed)
     checkpoints = build.build_target(cfg, rc.config_dir)
     checkpoints.remove_leftovers()
+    warm = WarmStart(cfg, rc.config_dir)
+    net = build.build_net(cfg, rc.config_dir)
+    params = warm.apply(net)  # frozen parameters: out of the optimizer and of DDP
+    warm.record(cfg)  # the source weights' hash joins the run's identity
     fp = fingerprint(cfg)
     path, state = find_resume_state(cfg, checkpoints, fp) or (None, None)
-
-    net = build.build_net(cfg, rc.config_dir)
     if state is not None:
         load_weights(net, state, path)
+    else:
+        warm.load(net)
     net.to(device)
     train_set, tests, named = build.build_datasets(cfg, rc.config_dir)
     train_loader, test_loaders = create_dataloaders(
@@ -186,14 +179,16 @@ def assemble_and_fit(rc: RunConfig, device, launcher):
         seed=seed, config_dir=rc.config_dir)
     losses = build.build_losses(cfg, rc.config_dir, device=device)
     metrics = build.build_metrics(cfg, rc.config_dir, device=device)
-    optimizer = build.build_optimizer(cfg, net.parameters(), rc.config_dir)
+    optimizer = build.build_optimizer(cfg, params, rc.config_dir)
+    scale_group_lrs(optimizer)
     scheduler = build.build_scheduler(cfg, optimizer, rc.config_dir)
     precision = Precision.from_config(device, settings["precision"], settings["tf32"],
                                       settings["cudnn_benchmark"],
                                       closure=is_closure_optimizer(optimizer))
     log.info("training on %s x%d, precision %s%s", device, launcher.world_size,
              precision.describe(), ", compiled" if settings["compile"] else "")
-    model = wrap(net, device, launcher.world_size, settings)
+    profiling = bool((cfg.trainer.get("config") or {}).get("profile"))
+    model = wrap(net, device, launcher.world_size, settings, label_allreduce=profiling)
     # Same initial weights everywhere (seeded above); from here each rank draws its own
     # dropout masks and augmentations.
     seed_everything(seed + launcher.rank)

@@ -7,6 +7,7 @@ one epoch takes a fraction of a second on a CPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -208,3 +209,17 @@ class ForwardCounter(torch.nn.Module):
     def _count_backward(self, grad):
         self.backwards += 1
         return grad
+
+
+@contextlib.contextmanager
+def single_rank_group(folder: Path):
+    """A one-rank gloo process group in this process (a file rendezvous: no port to
+    collide on), so that DDP can wrap a network here."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{folder / 'rendezvous'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -2,7 +2,10 @@
 
 Per step: zero grads, forward under the precision's autocast, the weighted sum
 of the configured losses, backward, optimizer step (closure optimizers get a
-closure). The scheduler steps once per epoch. Validation runs
+closure). With ``grad_accum_steps: N`` the optimizer steps every N micro-batches
+(``accumulation.py``); ``global_step`` counts optimizer steps. The scheduler
+steps once per epoch. ``profile`` runs torch.profiler over a window of batches
+(``echelon3/profiling.py``). Validation runs
 ``times_to_validate_per_epoch`` times per epoch on every rank over its shard,
 through the network without its DDP wrapper; metrics reduce across ranks, so
 keep-best decides the same on every rank. Only rank 0 writes (checkpoint
@@ -32,8 +35,10 @@ from echelon3.data import set_epoch, skip_batches
 from echelon3.dist import all_gather_object, get_rank, get_world_size, is_main, unwrap
 from echelon3.errors import ConfigError
 from echelon3.evaluate import evaluate_sets, metric_name, split_batch, to_device, weighted_loss
+from echelon3.profiling import Profiler
 from echelon3.runtime import interrupted
 from echelon3.samples import naming_bad_labels
+from echelon3.trainers.accumulation import Accumulation
 from echelon3.trainers.running import RunningLosses
 from echelon3.trainers.nonfinite import NonFiniteGuard
 from echelon3.trainers.selection import KeepBest
@@ -68,7 +73,8 @@ class Trainer:
                  keep_best_on: Any = None, high_is_better: bool = True,
                  metrics_on: str | Sequence[str] | None = None, float_labels: bool = False,
                  log_every_n_steps: int = 50, progress_bar: bool = True,
-                 nan_policy: str = "stop"):
+                 nan_policy: str = "stop", grad_accum_steps: int = 1,
+                 profile: Mapping | None = None):
         if int(epochs) < 1 or int(times_to_validate_per_epoch) < 1:
             raise ValueError("epochs and times_to_validate_per_epoch must be at least 1")
         self.net, self.losses, self.optimizer = net, losses, optimizer
@@ -81,6 +87,8 @@ class Trainer:
         self.extra_state = dict(extra_state or {})
         self.closure = is_closure_optimizer(optimizer)
         self.nonfinite = NonFiniteGuard(nan_policy, self.closure)
+        self.accum = Accumulation(grad_accum_steps, self.closure)
+        self.profiler = Profiler(profile, checkpoints.path)
         sets = [metrics_on] if isinstance(metrics_on, str) else list(metrics_on or test_loaders)
         unknown = [s for s in sets if s not in test_loaders]
         if unknown:
@@ -123,6 +131,7 @@ class Trainer:
             "best_metrics": dict(self.best_metrics) if self.best_metrics else None,
             "rng_state": rng_state(),  # rank 0's; every rank's below, for exact DDP resume
             "rng_states": all_gather_object(rng_state()) if get_world_size() > 1 else None,
+            **self.accum.state_dict(self._params()),
             **self.extra_state,
         }
 
@@ -141,33 +150,48 @@ class Trainer:
         self._mid = preemption.resume_point(state, get_rank(), get_world_size())
         if self._mid is not None:
             self._rng = None  # restored as the preempted epoch restarts
+        self.accum.load_state_dict(state, self._params())
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     # ------------------------------------------------------------------ one step
 
-    def train_step(self, batch) -> dict[str, torch.Tensor]:
-        """One optimizer step; ``{"loss": total, name: part, ...}``, detached, on the device."""
+    def train_step(self, batch, scale: float = 1.0, last: bool = True) -> dict[str, torch.Tensor]:
+        """One micro-batch: its loss x ``scale`` backward, and the optimizer step when
+        ``last``; ``{"loss": total, name: part, ...}``, detached, on the device."""
         inputs, target = split_batch(batch)
         if self.move:
             inputs, target = to_device((inputs, target), self.device)
         recorded: dict[str, torch.Tensor] = {}
 
-        def closure():
-            self.optimizer.zero_grad(set_to_none=True)
-            with self.precision.autocast():
-                total, parts = weighted_loss(self.losses, self.net(inputs), target,
-                                             self.float_labels)
-            self.precision.backward(total)
+        def forward_backward():
+            with self.profiler.label("compute"):
+                with self.precision.autocast():
+                    total, parts = weighted_loss(self.losses, self.net(inputs), target,
+                                                 self.float_labels)
+                self.precision.backward(total * scale)
             if not recorded:
                 recorded.update(parts, loss=total)
             return total
 
+        def closure():
+            self.optimizer.zero_grad(set_to_none=True)
+            return forward_backward()
+
         if self.closure:
-            self.precision.step(self.optimizer, closure)
+            with self.profiler.label("optimizer"):
+                self.precision.step(self.optimizer, closure)
         else:
-            closure()
+            with self.accum.sync(self.net, last):
+                forward_backward()
             if self.nonfinite.skip(recorded["loss"]):
+                self.accum.drop(self.optimizer)  # the window's gradients so far go too
                 return {}
-            self.precision.step(self.optimizer)
+            if last:
+                with self.profiler.label("optimizer"):
+                    self.precision.step(self.optimizer)
+                    self.optimizer.zero_grad(set_to_none=True)
         return {k: v.detach() for k, v in recorded.items()}
 
     # ------------------------------------------------------------------ validation
@@ -208,27 +232,33 @@ class Trainer:
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
 
-    def _train_epoch(self, epoch: int, clock: EpochClock) -> None:
+    def _train_epoch(self, epoch: int, clock: EpochClock) -> bool:
+        """One epoch; True when the profiled window ended the run (``profile.stop_after``)."""
         batches, done = self._start_epoch(epoch)
         self.net.train()
         steps, world = len(self.train_loader), get_world_size()
         validate_at = {round(steps * (k + 1) / self.validations)
                        for k in range(self.validations - 1)}
-        sample_at = self.log_every // 2 if clock.cuda else -1  # one device-timed step per log
-        self._bar = bar = tqdm(clock.batches(batches), total=steps, initial=done,
+        # On a GPU one step per log interval runs between CUDA events (none when that would
+        # be most steps).
+        sample_at = self.log_every // 2 if clock.cuda and self.log_every >= 4 else -1
+        self._bar = bar = tqdm(self.profiler.batches(clock.batches(batches)), total=steps,
+                               initial=done,
                                desc=f"epoch {epoch + 1}/{self.epochs}",
                                disable=None if self.progress_bar else True, dynamic_ncols=True)
+        stopped = False
         for i, batch in enumerate(bar, start=done + 1):
             if interrupted():
                 raise KeyboardInterrupt
+            scale, last = self.accum.window(i - 1, steps)
             started = clock.step_started()
             with naming_bad_labels(batch, self.metrics):
                 if i % self.log_every == sample_at:
-                    parts = clock.sample_device(lambda: self.train_step(batch))
+                    parts = clock.sample_device(lambda: self.train_step(batch, scale, last))
                 else:
-                    parts = self.train_step(batch)
+                    parts = self.train_step(batch, scale, last)
             clock.step_ended(started)
-            self.global_step += 1
+            self.global_step += int(last)  # counts optimizer steps
             self.nonfinite.observe(epoch + 1, self.global_step, parts)
             self.running.add(parts)
             if i % self.log_every == 0 or i == steps:
@@ -241,9 +271,15 @@ class Trainer:
                     self.validate(epoch + 1)
             if preemption.stop_now(world, self.device):
                 self._preempt(i)
+            stopped = self.profiler.step()
+            if stopped:
+                log.info("stopping after the profiled batches (trainer.config.profile."
+                         "stop_after)")
+                break
         self._log(self.running.finish())
         bar.close()
         self._bar = None
+        return stopped
 
     def _start_epoch(self, epoch: int):
         """Set the epoch's data order and open its batches -> (batches, steps done).
@@ -281,8 +317,10 @@ class Trainer:
         clock = EpochClock(self.device, self.train_loader, compiled=is_compiled(self.net))
         start = self.epoch
         report_after = min(start + 1, self.epochs - 1)  # the first steady-state epoch
+        self.profiler.start()
         for epoch in range(self.epoch, self.epochs):
-            self._train_epoch(epoch, clock)
+            if self._train_epoch(epoch, clock):
+                break
             if self.scheduler is not None:
                 self.scheduler.step()
             self.epoch = epoch + 1
@@ -291,6 +329,7 @@ class Trainer:
                 best = self.validate(self.epoch, save_best=False)
                 self.checkpoints.save_checkpoint(self.state_dict(), self.epoch, best=best)
             self._report_time(clock, first=epoch == report_after, warm=epoch > start)
+        self.profiler.stop()
         self.checkpoints.ensure_best()
         self.nonfinite.end_fit()
         return self.best_metrics

@@ -64,7 +64,7 @@ def planned(output: str) -> set[tuple[str, str | None]]:
     """(rule, experiment) of every job a dry run lists."""
     jobs = set()
     for rule, body in JOB.findall(output):
-        found = re.search(r"wildcards: exp=(\S+)", body)
+        found = re.search(r"wildcards: exp=([^,\s]+)", body)
         jobs.add((rule, found.group(1) if found else None))
     return jobs
 
@@ -72,6 +72,11 @@ def planned(output: str) -> set[tuple[str, str | None]]:
 def jobs_for(*experiments: str) -> set[tuple[str, str | None]]:
     per_exp = {(rule, exp) for exp in experiments for rule in ("train", "evaluate", "run")}
     return per_exp | {("report", None), ("all", None)}
+
+
+# The embedded default's chain: digits_mlp_ft finetunes digits_mlp's best.tar, then exports.
+CHAIN = {("finetune", "digits_mlp_ft"), ("evaluate", "digits_mlp_ft"), ("run", "digits_mlp_ft"),
+         ("export", "digits_mlp_ft")}
 
 
 def shell_commands(output: str) -> list[str]:

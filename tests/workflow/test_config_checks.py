@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.workflow.helpers import (REPO, copy_workflow, failing, jobs_for, planned,
+from tests.workflow.helpers import (CHAIN, REPO, copy_workflow, failing, jobs_for, planned,
                                     resources_of, shell_commands, snakemake)
 
 
-def test_default_config_plans_every_rule_for_both_digits_experiments(tmp_path):
+def test_default_config_plans_every_rule_for_the_digits_experiments(tmp_path):
     out = snakemake(copy_workflow(tmp_path), "-n")
-    assert planned(out) == jobs_for("digits_cnn", "digits_mlp")
+    assert planned(out) == jobs_for("digits_cnn", "digits_mlp") | CHAIN
 
 
 def test_schema_fills_in_defaults(tmp_path):

@@ -114,8 +114,8 @@ def test_html_report_holds_captioned_plots_and_the_leaderboard_table(finished, t
         assert text in html, text
     table = (wf / "results/leaderboard.html").read_text()
     assert "<table" in table and "Ranked by <code>accuracy</code>, highest first" in table
-    first, second = pd.read_csv(wf / "results/leaderboard.csv")["experiment"]
-    assert table.index(first) < table.index(second)
+    first, second, third = pd.read_csv(wf / "results/leaderboard.csv")["experiment"]
+    assert table.index(f">{first}<") < table.index(f">{second}<") < table.index(f">{third}<")
 
 
 def test_report_script_writes_every_output_of_the_rule(tmp_path):

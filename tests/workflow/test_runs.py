@@ -12,12 +12,12 @@ import pytest
 import yaml
 
 from tests.workflow.conftest import EPOCHS
-from tests.workflow.helpers import RUN_S, copy_finished, jobs_for, planned, snakemake
+from tests.workflow.helpers import CHAIN, RUN_S, copy_finished, jobs_for, planned, snakemake
 
 
 def test_run_makes_every_output(finished):
     experiments = yaml.safe_load((finished / "config/config.yaml").read_text())["experiments"]
-    assert set(experiments) == {"digits_cnn", "digits_mlp"}
+    assert set(experiments) == {"digits_cnn", "digits_mlp", "digits_mlp_ft"}
     for exp in experiments:
         folder = finished / "results" / exp
         assert (folder / "best.tar").is_file()
@@ -38,8 +38,8 @@ def test_run_makes_every_output(finished):
 def test_leaderboard_ranks_all_metrics_best_first(finished):
     with open(finished / "results/leaderboard.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [r["rank"] for r in rows] == ["1", "2"]
-    assert {r["experiment"] for r in rows} == {"digits_cnn", "digits_mlp"}
+    assert [r["rank"] for r in rows] == ["1", "2", "3"]
+    assert {r["experiment"] for r in rows} == {"digits_cnn", "digits_mlp", "digits_mlp_ft"}
     accuracies = [float(r["accuracy"]) for r in rows]
     assert accuracies == sorted(accuracies, reverse=True)
     for row in rows:
@@ -65,7 +65,7 @@ def test_editing_an_experiment_config_replans_only_its_runs(finished, tmp_path):
     wf2 = copy_finished(finished, tmp_path / "wf2")
     base = wf2 / "config/experiments/base/digits.yaml"
     base.write_text(base.read_text() + "\n# edited\n")
-    assert planned(snakemake(wf2, "-n")) == jobs_for("digits_cnn", "digits_mlp")
+    assert planned(snakemake(wf2, "-n")) == jobs_for("digits_cnn", "digits_mlp") | CHAIN
 
 
 def test_changed_resources_alone_do_not_rerun(finished, tmp_path):
@@ -84,7 +84,7 @@ def test_changed_override_retrains_exactly_that_experiment(finished, tmp_path):
     config["experiments"]["digits_mlp"]["overrides"].append("optimizer.config.lr=0.02")
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
     out = snakemake(wf, "-n")
-    assert planned(out) == jobs_for("digits_mlp")
+    assert planned(out) == jobs_for("digits_mlp") | CHAIN  # the child follows its parent
     assert "Params have changed since last execution" in out
 
     cnn_best = wf / "results/digits_cnn/best.tar"
@@ -96,6 +96,8 @@ def test_changed_override_retrains_exactly_that_experiment(finished, tmp_path):
     saved = yaml.safe_load((wf / "results/digits_mlp/config.yaml").read_text())
     assert saved["optimizer"]["config"]["lr"] == 0.02
     assert cnn_best.stat().st_mtime_ns == cnn_mtime
+    child = (wf / "logs/train/digits_mlp_ft.log").read_text()
+    assert "config changed since" in child and "starting over" in child  # new parent weights
     assert "Nothing to be done" in snakemake(wf, "-n")
 
 

@@ -1,29 +1,31 @@
 """Checks of config/config.yaml made before any job is planned. Each problem
 stops the workflow with one line that names the key at fault."""
 
-import difflib
 from pathlib import Path
 
 import jsonschema
 import yaml
+from omegaconf import OmegaConf
 from snakemake.exceptions import WorkflowError
 from snakemake.logging import logger
 from snakemake.utils import validate
 
+from echelon3.config import flatten, load_config
+from echelon3.errors import UserError, did_you_mean
+
+_MISSING = object()
+
 CONFIG_FILE = ", ".join(map(str, workflow.configfiles)) or "config"
 
 
-def _did_you_mean(word, choices):
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
 def _dotted(path):
+    """deque(['experiments', 'x', 'overrides', 0]) -> 'experiments.x.overrides[0]'."""
     key = ""
     for part in path:
-        key += (
-            f"[{part}]" if isinstance(part, int) else f".{part}" if key else str(part)
-        )
+        if isinstance(part, int):
+            key += f"[{part}]"
+        else:
+            key += f".{part}" if key else str(part)
     return key
 
 
@@ -35,7 +37,7 @@ def _schema_problem(error):
         unknown = [k for k in error.instance if k not in known]
         key = f"{where}.{unknown[0]}" if where else unknown[0]
         return key, (
-            f"unknown key{_did_you_mean(unknown[0], known)}; "
+            f"unknown key{did_you_mean(unknown[0], known)}; "
             f"known here: {', '.join(known)}"
         )
     if error.validator == "required":
@@ -70,7 +72,7 @@ def check_config_files(cfg):
                 raise WorkflowError(
                     f"{CONFIG_FILE}: {section}.{name}.config: "
                     f"no file {folder / spec['config']}.yaml"
-                    f"{_did_you_mean(spec['config'], names)}; "
+                    f"{did_you_mean(spec['config'], names)}; "
                     f"configs in {folder}: {', '.join(names) or 'none'}",
                 )
 
@@ -78,10 +80,6 @@ def check_config_files(cfg):
 def check_sweep_keys(cfg):
     """Every grid key of a sweep names a key its composed config has (after the
     sweep's own overrides, which may add one with +key=...)."""
-    from echelon3.config import load_config
-    from echelon3.errors import UserError
-    from omegaconf import OmegaConf
-
     for name, sweep in cfg["sweeps"].items():
         try:
             composed = load_config(
@@ -91,31 +89,18 @@ def check_sweep_keys(cfg):
             raise WorkflowError(
                 f"{CONFIG_FILE}: sweeps.{name}: {sweep['config']}: {e}"
             ) from None
-        leaves = [
-            key for key, _ in _leaves(OmegaConf.to_container(composed, resolve=False))
-        ]
+        leaves = list(flatten(OmegaConf.to_container(composed, resolve=False)))
         for key in sweep["grid"]:
             if OmegaConf.select(composed, key, default=_MISSING) is _MISSING:
                 raise WorkflowError(
                     f"{CONFIG_FILE}: sweeps.{name}.grid.{key}: "
                     f"{sweep['config']} has no key '{key}'"
-                    f"{_did_you_mean(key, leaves)}; add it with an override "
+                    f"{did_you_mean(key, leaves)}; add it with an override "
                     f"'+{key}=...' in sweeps.{name}.overrides if it is new",
                 )
 
 
-_MISSING = object()
-
-
-def _leaves(node, prefix=""):
-    if isinstance(node, dict):
-        for key, value in node.items():
-            yield from _leaves(value, f"{prefix}.{key}" if prefix else str(key))
-    else:
-        yield prefix, node
-
-
-# The SLURM profile ships these; a dry run with them says so.
+# The SLURM profile ships these; every run with them, dry runs too, says so.
 PLACEHOLDERS = {"slurm_account": "my_account", "slurm_partition": "gpu"}
 
 

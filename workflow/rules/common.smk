@@ -1,6 +1,7 @@
 """Helpers shared by the rules: the experiment table, inputs, params, resources.
 CONFIG_FILE comes from checks.smk, included before."""
 
+import functools
 import itertools
 import keyword
 import os
@@ -126,55 +127,6 @@ def results(pattern):
     return expand(pattern, exp=EXPERIMENTS)
 
 
-def curve_plot(exp):
-    """The learning-curve plot of one experiment, registered for the HTML report."""
-    return report(
-        f"results/plots/curves/{exp}.png",
-        caption="../report/curves.rst",
-        category="Learning curves",
-        labels={"experiment": exp},
-    )
-
-
-def curve_plots():
-    return [curve_plot(exp) for exp in EXPERIMENTS]
-
-
-def sweep_plot(name):
-    """The chart of one sweep: the ranking metric against the swept value."""
-    return report(
-        f"results/plots/sweeps/{name}.png",
-        caption="../report/sweep.rst",
-        category="Sweeps",
-        labels={"sweep": name},
-    )
-
-
-def sweep_plots():
-    return [sweep_plot(name) for name in config["sweeps"]]
-
-
-def sweep_points():
-    """For the report: each sweep's grid keys (as in the experiment names) and the
-    point of every experiment it made."""
-    sweeps = {
-        name: {"keys": [k.rsplit(".", 1)[-1] for k in sweep["grid"]], "points": {}}
-        for name, sweep in config["sweeps"].items()
-    }
-    for exp, spec in EXPERIMENTS.items():
-        if "point" in spec:
-            sweeps[spec["sweep"]]["points"][exp] = spec["point"]
-    return sweeps
-
-
-def report_labels():
-    """What the leaderboard shows of each experiment besides its metrics."""
-    return {
-        name: {"config": spec["config"], "overrides": spec["overrides"]}
-        for name, spec in EXPERIMENTS.items()
-    }
-
-
 def all_targets():
     return [
         *results("results/{exp}/metrics.json"),
@@ -185,6 +137,7 @@ def all_targets():
         *results("results/plots/curves/{exp}.png"),
         "results/plots/metrics.png",
         *expand("results/plots/sweeps/{sweep}.png", sweep=config["sweeps"]),
+        *export_targets(),  # chains.smk
     ]
 
 
@@ -225,9 +178,16 @@ def experiment_config(wildcards):
     return str(CONFIG_DIR / f"{EXPERIMENTS[wildcards.exp]['config']}.yaml")
 
 
+@functools.cache
+def _composed_by(name):
+    """`_composed_files` once per config name: a sweep shares one config across many
+    experiments, and reading the YAML per job made the DAG grow slow."""
+    return tuple(_composed_files(name, set())[1:])
+
+
 def composed_configs(wildcards):
     """Config files the experiment's config composes (its defaults list)."""
-    return _composed_files(EXPERIMENTS[wildcards.exp]["config"], set())[1:]
+    return list(_composed_by(EXPERIMENTS[wildcards.exp]["config"]))
 
 
 # --- params ---------------------------------------------------------------------

@@ -10,6 +10,7 @@ rule report:
     input:
         metrics=results("results/{exp}/metrics.json"),
         summaries=results("results/{exp}/summary.json"),
+        models=export_targets(),
     output:
         csv=report(
             "results/leaderboard.csv",

@@ -9,6 +9,7 @@ params.sweeps.
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -58,11 +59,13 @@ def leaderboard(experiments, metric_files, metric, higher_is_better):
                 "experiment": name,
                 "config": spec["config"],
                 "overrides": " ".join(spec["overrides"]),
+                **({"model": spec["model"]} if spec.get("model") else {}),
                 **read_metrics(path),
             }
         )
     table = pd.DataFrame(rows)
-    metric_columns = [c for c in table.columns if c not in ("experiment", "config", "overrides")]
+    labels = ("experiment", "config", "overrides", "model")
+    metric_columns = [c for c in table.columns if c not in labels]
     if metric is None:
         complete = [c for c in metric_columns if table[c].notna().all()]
         if not complete:
@@ -78,8 +81,14 @@ def leaderboard(experiments, metric_files, metric, higher_is_better):
     return table.reset_index(drop=True), metric, metric_columns
 
 
-def markdown(table, metric, higher_is_better):
+def markdown(table, metric, higher_is_better, folder="results"):
+    """The table in Markdown; an exported model becomes a link relative to `folder`."""
     order = "highest" if higher_is_better else "lowest"
+    if "model" in table.columns:
+        table = table.assign(model=[
+            f"[{Path(m).name}]({os.path.relpath(m, folder)})" if isinstance(m, str) else ""
+            for m in table["model"]
+        ])
     body = table.to_markdown(index=False, floatfmt=".4g")
     return f"# Leaderboard\n\nRanked by `{metric}`, {order} first.\n\n{body}\n"
 
@@ -122,7 +131,7 @@ def main(smk):
     metric, higher = smk.params.metric, smk.params.higher_is_better
     table, metric, metric_columns = leaderboard(experiments, smk.input.metrics, metric, higher)
     table.to_csv(smk.output.csv, index=False)
-    Path(smk.output.md).write_text(markdown(table, metric, higher))
+    Path(smk.output.md).write_text(markdown(table, metric, higher, Path(smk.output.md).parent))
     Path(smk.output.html).write_text(html_table(table, metric, higher))
     for name, history, summary, png in zip(experiments, smk.params.histories,
                                            smk.input.summaries, smk.output.curves):
