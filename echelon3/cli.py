@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         from echelon3.preemption import Preempted
 
         if isinstance(e, Preempted):
+            from echelon3.preemption import before_exit
+
+            before_exit()
             return e.exit_code  # the trainer logged where it stopped
         if isinstance(e, WorkerFailed):
             print(f"echelon3: {e}", file=sys.stderr)
