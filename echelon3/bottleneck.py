@@ -12,11 +12,13 @@ epoch :meth:`EpochClock.report` returns the fractions of the epoch's wall time:
                    scheduler;
 - ``validation_checkpoint``  validation, keep-best and the checkpoint.
 
-They sum to 1; ``epoch_s`` is the epoch's wall time and ``cpu_s`` the CPU time this
-process used in it (all threads: on a shared machine, the steadier measure). With torch.compile it adds ``compiles``: graphs compiled during the
-epoch; after the first epoch (warm-up) any is a recompile, and is warned about. On a GPU it adds ``device_step_ms`` (CUDA events around one
-step per log interval, read without waiting) and ``device_util`` (NVML's
-utilization, when pynvml is installed). The cost is two clock reads per step.
+They sum to 1; ``epoch_s`` is the epoch's wall time and ``cpu_s`` the CPU time
+this process used in it (all threads; on a shared machine the steadier measure).
+With torch.compile it adds ``compiles``: graphs compiled during the epoch; after
+the first epoch (warm-up) any is a recompile, and is warned about. On a GPU it
+adds ``device_step_ms`` (CUDA events around one step per log interval, read
+without waiting) and ``device_util`` (NVML's utilization, when pynvml is
+installed). The cost is four clock reads per step.
 """
 
 from __future__ import annotations

@@ -146,6 +146,15 @@ def resume_point(state, rank: int, world_size: int) -> dict | None:
             "epoch_rng": mine["epoch_rng"], "rng": current}
 
 
+def before_exit() -> None:
+    """Called once a preempted run has written everything: leave the objects alive now out
+    of the interpreter's final garbage collection, which takes seconds in a process that
+    imported torch (and SLURM's KillWait is counting)."""
+    import gc
+
+    gc.freeze()
+
+
 def report(epoch: int, step: int, path) -> str:
     """The line logged once the checkpoint is written."""
     since = seconds_since_signal()

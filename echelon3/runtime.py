@@ -222,6 +222,7 @@ def spawned_worker(task: Task, cfg: dict, config_dir: str, config_file: str, pla
     except KeyboardInterrupt:
         sys.exit(130)
     except preemption.Preempted:
+        preemption.before_exit()
         sys.exit(preemption.RESUBMIT_EXIT)
     except BaseException as e:
         if dist.peer_lost(e):  # the rank that failed has said why; no second story here

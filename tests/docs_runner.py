@@ -17,7 +17,7 @@ run in page order inside a scratch copy of the project (``config/``,
 
 An HTML comment right above a block changes how it runs (invisible on the site)::
 
-    <!-- test: epochs=1 -->           train for 1 epoch (too slow for CI otherwise)
+    <!-- test: epochs=1 -->           train / finetune for 1 epoch (too slow for CI otherwise)
     <!-- test: dry-run -->            snakemake gets -n, echelon3 gets --print-config
     <!-- test: file=my/nets.py -->    the block is that file's content: written, then
                                       checked as its language says
@@ -37,7 +37,7 @@ import re
 import shlex
 import shutil
 import subprocess
-from contextlib import redirect_stdout
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import yaml
@@ -54,7 +54,7 @@ _MARK = re.compile(r"<!--\s*test:\s*(.*?)\s*-->\Z", re.S)
 WRAPPER = """#!/usr/bin/env bash
 # Stands in for {name} while the docs examples run (see tests/docs_runner.py).
 extra=()
-if [ "{name}" = echelon3 ] && [ "${{1:-}}" = train ] && [ -n "${{DOCS_EPOCHS:-}}" ]; then
+if [ "{name}" = echelon3 ] && [[ "${{1:-}}" =~ ^(train|finetune)$ ]] && [ -n "${{DOCS_EPOCHS:-}}" ]; then
     extra+=("trainer.config.epochs=$DOCS_EPOCHS")
 fi
 if [ -n "${{DOCS_DRY_RUN:-}}" ]; then
@@ -157,7 +157,7 @@ class PageRun:
         for command in shell_commands(example.parsed):
             words = simple_echelon3(command)
             if words is not None:
-                code, output = self.echelon3_in_process(words, options), "(in-process)"
+                code, output = self.echelon3_in_process(words, options)
             else:
                 done = subprocess.run(["bash", "-euo", "pipefail", "-c", command],
                                       cwd=self.project, env=self.env(options), text=True,
@@ -168,22 +168,24 @@ class PageRun:
         assert code == wanted, (f"exit code {code}, expected {wanted}\n--- command:\n"
                                 f"{command}\n--- output:\n{output}")
 
-    def echelon3_in_process(self, words: list[str], options: dict[str, str]) -> int:
+    def echelon3_in_process(self, words: list[str], options: dict[str, str]) -> tuple[int, str]:
         """``echelon3 ...`` through the real CLI in this process: no second torch start-up."""
         from echelon3 import cli
 
         args = words[1:]
-        if "epochs" in options and args[:1] == ["train"]:
+        if "epochs" in options and args[:1] in (["train"], ["finetune"]):
             args.append(f"trainer.config.epochs={options['epochs']}")
         if "dry-run" in options:
             args.append("--print-config")
         cwd, saved = os.getcwd(), {k: os.environ.get(k) for k in self.private_env}
         os.chdir(self.project)
         os.environ.update(self.private_env)
+        printed = io.StringIO()
         try:
-            return cli.main(args)
+            with redirect_stdout(printed), redirect_stderr(printed):
+                code = cli.main(args)
         except SystemExit as e:  # argparse
-            return int(e.code or 0)
+            code = int(e.code or 0)
         finally:
             os.chdir(cwd)
             for key, value in saved.items():
@@ -191,6 +193,7 @@ class PageRun:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
+        return code, printed.getvalue()[-3000:]
 
     def python(self, example) -> None:
         options = self._begin(example)

@@ -150,8 +150,9 @@ def _final(wf: Path, exp: str) -> dict:
 
 
 def _history(wf: Path, exp: str) -> list[dict]:
+    """Train and validation records (time records hold wall-clock figures)."""
     text = (wf / "results" / exp / "history.jsonl").read_text()
-    return [json.loads(line) for line in text.splitlines()]
+    return [r for r in map(json.loads, text.splitlines()) if r["split"] != "time"]
 
 
 def _jobs(wf: Path, exp: str) -> list[str]:

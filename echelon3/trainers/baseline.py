@@ -170,7 +170,8 @@ class Trainer:
                 with self.precision.autocast():
                     total, parts = weighted_loss(self.losses, self.net(inputs), target,
                                                  self.float_labels)
-                self.precision.backward(total * scale)
+                # No extra multiply (a kernel and an autograd node) when not accumulating.
+                self.precision.backward(total * scale if scale != 1 else total)
             if not recorded:
                 recorded.update(parts, loss=total)
             return total
