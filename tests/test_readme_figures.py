@@ -40,8 +40,9 @@ def test_the_script_writes_what_the_runs_left(tmp_path):
     (tmp_path / "results/a/summary.json").write_text(json.dumps(
         {"epochs": 10, "elapsed_s": 12.4, "best": {"epoch": 7}}))
     (tmp_path / "results/a/metrics.json").write_text(json.dumps({"accuracy": 0.99555}))
-    text = figures.table(tmp_path, 31.2)
-    assert "| `a` (10 epochs) | 12 s | 0.9956 | 7 |" in text and "| 31 s in all |" in text
+    text = figures.table(tmp_path, 31.2, 20.4)
+    assert "| `a` (10 epochs) | 12 s | 0.9956 | 7 |" in text
+    assert "| 31 s in all (20 s of CPU) |" in text
     readme = tmp_path / "README.md"
     readme.write_text(f"before\n{figures.START}\nold\n{figures.END}\nafter\n")
     figures.rewrite(readme, text)
