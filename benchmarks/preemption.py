@@ -5,8 +5,8 @@ Trains digits_mlp on the CPU (one process, 2 ranks through echelon3's launcher, 
 ranks under torchrun), signals it once its first epoch is checkpointed, and times (a) the
 trainer's own figure, signal to mid-epoch checkpoint written, and (b) signal to the exit
 of the whole process tree. SLURM kills what is left after KillWait, 30 s by default.
-Writes the table into README.md (between its `measured: preemption` markers) and appends
-it to benchmarks/RESULTS.md.
+Writes the table into docs/clusters.md (between its `measured: preemption` markers) and
+appends it to benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import REPO, append_results, machine_info  # noqa: E402
 
-README = REPO / "README.md"
+PAGE = REPO / "docs" / "clusters.md"  # the page that shows the table
 START = "<!-- measured: preemption (python benchmarks/preemption.py) -->"
 END = "<!-- end measured: preemption -->"
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -83,15 +83,15 @@ def measure(repeat: int) -> str:
     return "\n".join(rows)
 
 
-def write_readme(table: str) -> None:
-    text = README.read_text()
+def write_page(table: str) -> None:
+    text = PAGE.read_text()
     pattern = re.compile(re.escape(START) + r"\n.*?" + re.escape(END), re.S)
     if not pattern.search(text):
-        raise SystemExit(f"README.md has no '{START}' ... '{END}' markers")
+        raise SystemExit(f"{PAGE} has no '{START}' ... '{END}' markers")
     stamp = time.strftime("%Y-%m-%d", time.gmtime())
     block = (f"{START}\n{table}\n\nMeasured {stamp} by `python benchmarks/preemption.py` "
              f"(median of the runs) on {machine_info()}.\n{END}")
-    README.write_text(pattern.sub(lambda _: block, text, count=1))
+    PAGE.write_text(pattern.sub(lambda _: block, text, count=1))
 
 
 def main() -> None:
@@ -101,7 +101,7 @@ def main() -> None:
     args = parser.parse_args()
     table = measure(args.repeat)
     if not args.no_write:
-        write_readme(table)
+        write_page(table)
         append_results("preemption", table, None)
 
 

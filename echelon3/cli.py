@@ -2,7 +2,8 @@
 
 Heavy imports (torch, the tasks) happen inside the commands, so ``--help`` is
 instant. Exit codes: 0 success, 2 a user error (one line naming the config key
-or file), 130 Ctrl-C, 1 anything else. ``ECHELON3_DEBUG=1`` adds the full
+or file), 130 Ctrl-C, 75 preempted (resubmit), 3 one rank of a torchrun / srun job that
+stopped because another rank failed (that one says why), 1 anything else. ``ECHELON3_DEBUG=1`` adds the full
 traceback to a user error or an interruption; the exit code stays the same.
 """
 

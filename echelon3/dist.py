@@ -240,7 +240,7 @@ OOM_HINT = ("killed by SIGKILL, most likely the OOM-killer: lower "
 
 
 PEER_LOST = "stopped: another rank failed (its message is above)"
-PEER_LOST_EXIT = 75  # a rank that stopped only because another one failed
+PEER_LOST_EXIT = 3  # a rank that stopped only because another one failed (75 is preemption's)
 
 
 def peer_lost(e: BaseException) -> bool:

@@ -7,7 +7,7 @@ import pytest
 from tests.conftest import REPO
 from tests.docs_runner import PageRun, fence_languages, parse_page
 
-PAGES = sorted((REPO / "docs").glob("*.md"))
+PAGES = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
 LANGUAGES = {"bash", "yaml", "python", "text"}
 
 

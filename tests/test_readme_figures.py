@@ -1,5 +1,5 @@
-"""benchmarks/readme_figures.py: README's figures of the embedded default are the
-script's table, dated, not numbers typed by hand."""
+"""benchmarks/readme_figures.py: the figures of the embedded default (docs/getting-started.md)
+are the script's table, dated, not numbers typed by hand."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def script():
 
 def test_readme_table_is_the_scripts_output_between_its_markers():
     figures = script()
-    readme = (REPO / "README.md").read_text()
+    readme = figures.PAGE.read_text()
     region = readme.split(figures.START, 1)[1].split(figures.END, 1)[0].strip().splitlines()
     assert region[0].startswith("| run | training (`echelon3 train`, after start-up) |")
     config = yaml.safe_load((REPO / "config/config.yaml").read_text())
@@ -40,8 +40,9 @@ def test_the_script_writes_what_the_runs_left(tmp_path):
     (tmp_path / "results/a/summary.json").write_text(json.dumps(
         {"epochs": 10, "elapsed_s": 12.4, "best": {"epoch": 7}}))
     (tmp_path / "results/a/metrics.json").write_text(json.dumps({"accuracy": 0.99555}))
-    text = figures.table(tmp_path, 31.2)
-    assert "| `a` (10 epochs) | 12 s | 0.9956 | 7 |" in text and "| 31 s in all |" in text
+    text = figures.table(tmp_path, 31.2, 20.4)
+    assert "| `a` (10 epochs) | 12 s | 0.9956 | 7 |" in text
+    assert "| 31 s in all (20 s of CPU) |" in text
     readme = tmp_path / "README.md"
     readme.write_text(f"before\n{figures.START}\nold\n{figures.END}\nafter\n")
     figures.rewrite(readme, text)

@@ -4,6 +4,7 @@ figures there always come from the last full, green run and never from a hand.""
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 import time
@@ -31,16 +32,21 @@ class Entry:
 
 @dataclass
 class Ledger:
-    entries: dict[str, Entry] = field(default_factory=dict)
+    entries: dict[tuple[str, str], Entry] = field(default_factory=dict)
+    tests: dict[str, Entry] = field(default_factory=dict)  # node id -> its (first) row
+    load: tuple[float, float, float] = field(default_factory=os.getloadavg)
     ran: int = 0
     failed: int = 0
     left_out: int = 0
     started: float = field(default_factory=time.monotonic)
 
     def add(self, nodeid: str, promise: str, **counts) -> None:
-        entry = self.entries.setdefault(nodeid, Entry(promise, nodeid.split("::", 1)[-1]))
+        """Counts of one test (its parametrized cases together) towards one promise."""
+        test = nodeid.split("::", 1)[-1].split("[", 1)[0]
+        entry = self.entries.setdefault((promise, test), Entry(promise, test))
         for key, value in counts.items():
             setattr(entry, key, getattr(entry, key) + value)
+        self.tests[nodeid] = entry
 
 
 LEDGER = Ledger()
@@ -70,7 +76,7 @@ def pytest_runtest_logreport(report):
         return
     if report.when == "call":
         LEDGER.ran += 1
-        entry = LEDGER.entries.get(report.nodeid)
+        entry = LEDGER.tests.get(report.nodeid)
         if entry is not None:
             entry.seconds += report.duration
     if report.failed or report.skipped:
@@ -86,14 +92,9 @@ def pytest_sessionfinish(session, exitstatus):
 def render(ledger: Ledger) -> str:
     import torch
 
-    by_promise: dict[str, list[Entry]] = {}
-    for entry in ledger.entries.values():
-        by_promise.setdefault(entry.promise, []).append(entry)
-    rows = []
-    for promise, entries in by_promise.items():
-        for e in entries:
-            rows.append(f"| {promise} | `{e.test}` | {e.trials} | {e.faults} | {e.inputs} | "
-                        f"{e.lost} | {e.seconds:.1f} |")
+    rows = [f"| {e.promise} | `{e.test}` | {e.trials} | {e.faults} | {e.inputs} | {e.lost} | "
+            f"{e.seconds:.0f} |" for e in sorted(ledger.entries.values(),
+                                                   key=lambda e: e.promise)]
     total = list(ledger.entries.values())
     totals = (sum(e.trials for e in total), sum(e.faults for e in total),
               sum(e.inputs for e in total), sum(e.lost for e in total))
@@ -104,8 +105,8 @@ def render(ledger: Ledger) -> str:
         "by hand.",
         f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.machine()}, "
         f"Python {sys.version.split()[0]}, torch {torch.__version__}, "
-        f"{_cpus()} CPU cores, {ledger.ran} tests in "
-        f"{time.monotonic() - ledger.started:.0f} s.",
+        f"{_cpus()} CPU cores (load average {ledger.load[0]:.1f} as it began: other work "
+        f"shared them), {ledger.ran} tests in {time.monotonic() - ledger.started:.0f} s.",
         "",
         f"**Trials {totals[0]}, faults injected {totals[1]}, inputs tried {totals[2]}, "
         f"runs lost {totals[3]}.**",
@@ -115,6 +116,8 @@ def render(ledger: Ledger) -> str:
         "corrupt file); an *input* is one generated config or command line; a run is *lost* "
         "when it neither finishes with the right result nor stops with one clear line.",
         "",
+        "One row per promise and test (its parametrized cases added up).",
+        "",
         "| promise | held by | trials | faults | inputs | runs lost | seconds |",
         "|---|---|---|---|---|---|---|",
         *rows,
@@ -123,6 +126,4 @@ def render(ledger: Ledger) -> str:
 
 
 def _cpus() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -26,7 +26,7 @@ from pathlib import Path
 from tests.conftest import BIN, REPO, echelon3_cmd
 
 SLOW_FSYNC = Path(__file__).with_name("slow_fsync")
-DELAY = 0.4  # seconds each checkpoint write stays in flight (see slow_fsync/)
+DELAY = 0.25  # seconds each checkpoint write stays in flight (see slow_fsync/)
 MARKER = "ECHELON3_TRIAL"
 TORCHRUN = shutil.which("torchrun", path=str(BIN)) or shutil.which("torchrun")
 PRELOAD = ["echelon3.cli", "echelon3.train", "echelon3.evaluate", "echelon3.nets.mlp",

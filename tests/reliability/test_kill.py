@@ -4,8 +4,9 @@ process of the run survives and no shared-memory segment of it is left in /dev/s
 
 Instants are drawn with a fixed seed among three kinds: during start-up (a fixed number of
 seconds in), after the k-th history record (plus a fraction of a second), and in the middle
-of a checkpoint write (made to last DELAY seconds by slow_fsync/). While a run is alive a
-second lock attempt on its folder must be refused, naming one of the run's processes.
+of a checkpoint write (made to last DELAY seconds by slow_fsync/). While a run is alive (at
+a history record or a checkpoint write) a second claim on its folder must be refused,
+naming one of the run's processes: the launcher with the built-in one, rank 0 under torchrun.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ def _strike(run: Run, out: Path, plan: tuple) -> tuple[bool, bool | None]:
         time.sleep(args[1])
     else:
         hit = _wait_until(run, lambda: _writing(out))
+        refused = _probe_lock(run, out) if hit else None
         time.sleep(args[0])
     if not run.running():
         return False, refused

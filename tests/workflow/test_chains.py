@@ -74,6 +74,8 @@ def test_default_chain_finetunes_after_its_parent_and_exports(finished):
                       "digits_mlp_ft": "results/digits_mlp_ft/model.onnx"}
     assert "[model.onnx](digits_mlp_ft/model.onnx)" in (
         finished / "results/leaderboard.md").read_text()
+    assert '<a href="digits_mlp_ft/model.onnx">model.onnx</a>' in (
+        finished / "results/leaderboard.html").read_text()
 
 
 def test_new_parent_weights_rerun_its_child(finished, tmp_path):

@@ -34,7 +34,6 @@ def renderers(repo: Path) -> dict[str, dict[str, Callable[[], str]]]:
         "docs/cli.md": {"cli": cli_reference.render},
         "docs/benchmarks.md": {"results": lambda: benchmarks.render(repo)},
         "docs/multi-gpu.md": {"measured": lambda: benchmarks.render(repo, MULTI_GPU_BENCHMARKS)},
-        "docs/clusters.md": {"measured": lambda: benchmarks.render(repo, ("preemption",))},
     }
 
 

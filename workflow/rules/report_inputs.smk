@@ -47,6 +47,10 @@ def sweep_points():
 def report_labels():
     """What the leaderboard shows of each experiment besides its metrics."""
     return {
-        name: {"config": spec["config"], "overrides": spec["overrides"]}
+        name: {
+            "config": spec["config"],
+            "overrides": spec["overrides"],
+            "model": exported_model(name),  # chains.smk
+        }
         for name, spec in EXPERIMENTS.items()
     }

@@ -7,6 +7,7 @@ output.curves follow the order of params.experiments; output.sweeps that of
 params.sweeps.
 """
 
+import html
 import json
 import logging
 import os
@@ -108,10 +109,17 @@ on each run's best.tar).</p>
 """
 
 
-def html_table(table, metric, higher_is_better):
-    """The leaderboard as a small HTML page: the report shows HTML, not CSV."""
+def html_table(table, metric, higher_is_better, folder="results"):
+    """The leaderboard as a small HTML page: the report shows HTML, not CSV. An
+    exported model becomes a link relative to `folder`."""
     order = "highest" if higher_is_better else "lowest"
-    body = table.to_html(index=False, float_format=lambda v: f"{v:.4f}", na_rep="", border=0)
+    cells = {c: lambda v: html.escape(str(v)) for c in table.select_dtypes("object")}
+    if "model" in table.columns:
+        cells["model"] = lambda m: (
+            f'<a href="{html.escape(os.path.relpath(m, folder))}">{Path(m).name}</a>'
+            if isinstance(m, str) and m else "")
+    body = table.to_html(index=False, float_format=lambda v: f"{v:.4f}", na_rep="", border=0,
+                         formatters=cells, escape=False)
     return HTML.format(metric=metric, order=order, table=body)
 
 
@@ -132,7 +140,8 @@ def main(smk):
     table, metric, metric_columns = leaderboard(experiments, smk.input.metrics, metric, higher)
     table.to_csv(smk.output.csv, index=False)
     Path(smk.output.md).write_text(markdown(table, metric, higher, Path(smk.output.md).parent))
-    Path(smk.output.html).write_text(html_table(table, metric, higher))
+    Path(smk.output.html).write_text(html_table(table, metric, higher,
+                                                Path(smk.output.html).parent))
     for name, history, summary, png in zip(experiments, smk.params.histories,
                                            smk.input.summaries, smk.output.curves):
         save(draw_curves(name, read_history(history), best_epoch(summary)), png)
