@@ -119,6 +119,8 @@ def test_workflow_ends_with_the_leaderboard_and_where_things_are(finished):
         rows = list(csv.DictReader(f))
     top = end.splitlines()[2].split()
     assert top[:3] == ["1", rows[0]["experiment"], f"{float(rows[0]['accuracy']):.4f}"]
+    # experiments without an export have an empty model cell, not "NaN"
+    assert "NaN" not in end.split("Results:")[0]
     for line in ("Results:  results/<experiment>/", "Plots:    results/plots/",
                  "Report:   snakemake --report report.html"):
         assert line in end

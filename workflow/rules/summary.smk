@@ -12,7 +12,7 @@ def leaderboard_top(path="results/leaderboard.csv"):
     table = pd.read_csv(path)
     shown = table.drop(columns=["config", "overrides"], errors="ignore")
     text = shown.head(LEADERBOARD_ROWS).to_string(
-        index=False, float_format="{:.4f}".format
+        index=False, na_rep="", float_format="{:.4f}".format
     )
     more = len(table) - LEADERBOARD_ROWS
     return text + (f"\n... and {more} more in {path}" if more > 0 else "")
