@@ -135,7 +135,8 @@ def _settings(**given):
 def test_runtime_settings_defaults_and_validation():
     assert _settings() == {"precision": None, "tf32": True, "cudnn_benchmark": True,
                            "compile": False, "compile_mode": None,
-                           "ddp_find_unused_parameters": True}
+                           "ddp_find_unused_parameters": True, "ddp_comm": "none",
+                           "ddp_gradient_as_bucket_view": True, "ddp_static_graph": False}
     with pytest.raises(ConfigError, match="trainer.config.compile_mode"):
         _settings(compile_mode="fastest")
     with pytest.raises(ConfigError, match="trainer.config.compile"):
@@ -161,13 +162,16 @@ def test_ddp_find_unused_parameters_reaches_the_wrapper(monkeypatch):
     seen = {}
 
     class FakeDDP:
-        def __init__(self, module, device_ids=None, find_unused_parameters=None):
-            seen.update(module=module, find=find_unused_parameters, ids=device_ids)
+        def __init__(self, module, device_ids=None, find_unused_parameters=None,
+                     gradient_as_bucket_view=None, static_graph=None):
+            seen.update(module=module, find=find_unused_parameters, ids=device_ids,
+                        bucket_view=gradient_as_bucket_view, static=static_graph)
 
     monkeypatch.setattr(parallel, "DistributedDataParallel", FakeDDP)
     net = torch.nn.Linear(2, 2)
     wrap(net, CPU, 2, _settings())
-    assert seen == {"module": net, "find": True, "ids": None}
+    assert seen == {"module": net, "find": True, "ids": None, "bucket_view": True,
+                    "static": False}
     wrap(net, CPU, 2, _settings(ddp_find_unused_parameters=False))
     assert seen["find"] is False
 
