@@ -105,3 +105,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def own_handlers():
+    """In-process runs install echelon3's signal handlers; put pytest's back afterwards."""
+    import signal
+
+    from echelon3 import preemption
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+    preemption.reset()

@@ -73,16 +73,6 @@ class PreemptingMLP(MLP):
         return super().forward(x)
 
 
-@pytest.fixture
-def own_handlers():
-    """In-process runs install echelon3's signal handlers; put pytest's back afterwards."""
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
-    preemption.reset()
-
-
 def preempting(dropout: float = 0.1, **trainer) -> dict:
     """192 samples, batch 32: 6 micro-batches per epoch, windows of 3; momentum SGD."""
     return {"net": {"module": "tests.test_accumulation", "type": "PreemptingMLP",

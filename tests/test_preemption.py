@@ -111,16 +111,6 @@ def _check_equal(directory: Path, reference) -> None:
     assert not list((directory / "run").glob("checkpoint-*-step*.tar"))
 
 
-@pytest.fixture
-def own_handlers():
-    """In-process runs install echelon3's handlers; put pytest's back afterwards."""
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
-    preemption.reset()
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
 def test_one_process_stops_at_a_step_and_resumes_there(tmp_path, reference, sig, capsys,
                                                        own_handlers):
