@@ -309,12 +309,54 @@ def save_safetensors(net: nn.Module, path: Path, source: Path) -> None:
     tmp.unlink()
 
 
+def graph_parts(cfg, spec, config_dir) -> dict[str, Any]:
+    """Everything around the network in the graph, and its example, built from the config
+    (before any checkpoint is read): test set, preprocess and where it came from,
+    postprocess, example batch."""
+    from echelon3 import build
+
+    dataset = first_test_set(cfg, config_dir)
+    pre, pre_from = preprocessing(spec, dataset, config_dir)
+    post = build.instantiate(spec["postprocess"], "export.postprocess", config_dir) \
+        if spec.get("postprocess") else None
+    example = example_input(dataset, spec, raw=pre is not None)
+    if pre is not None and spec.get("input") is None:
+        check_preprocess(pre, dataset, example)
+    return {"dataset": dataset, "pre": pre, "pre_from": pre_from, "post": post,
+            "example": example}
+
+
+def write_onnx(cfg, spec, net: nn.Module, parts: dict, out: Path, source: Path) -> None:
+    """``out/model.onnx``, checked, with its contract in its metadata and in ``model.json``."""
+    from echelon3.checkpoint import atomic_write, atomic_write_text
+    from echelon3.contract import describe, write_metadata
+
+    model = Exported(net, parts["pre"], parts["post"]).eval()
+    example, dataset = parts["example"], parts["dataset"]
+    tmp = out / ".model.onnx.tmp"
+    try:
+        exporter = to_onnx(model, example, tmp, spec["dynamic_batch"], spec.get("opset"))
+        diff = check(model, tmp, example, spec["dynamic_batch"])
+        contract = describe(tmp, cfg=cfg, dataset=dataset, pre=parts["pre"],
+                            pre_from=parts["pre_from"], declared=declared_transform(dataset),
+                            post=parts["post"], source=source, exporter=exporter)
+        write_metadata(tmp, contract)
+        atomic_write(out / "model.onnx", lambda f: f.write(tmp.read_bytes()))
+    finally:
+        tmp.unlink(missing_ok=True)
+    atomic_write_text(out / "model.json", json.dumps(contract, indent=2) + "\n")
+    log.info("wrote %s and model.json from %s (%s exporter; onnxruntime vs PyTorch: max |diff| "
+             "%.2g at batch sizes %s)", out / "model.onnx", source, exporter, diff,
+             f"{len(example)}, 1, 3" if spec["dynamic_batch"] else len(example))
+    log.info("model.onnx takes %s %s %r: %s", contract["input"]["dtype"],
+             contract["input"]["name"], contract["input"]["shape"], contract["input"]["is"])
+
+
 def export(rc, device, launcher) -> None:
     """The CLI task: on the CPU, rank 0 only."""
     from echelon3 import build
-    from echelon3.checkpoint import atomic_write, atomic_write_text, load, load_weights
+    from echelon3.checkpoint import load, load_weights
     from echelon3.config import require
-    from echelon3.contract import describe, write_metadata
     from echelon3.dist import is_main
 
     cfg = rc.cfg
@@ -323,37 +365,14 @@ def export(rc, device, launcher) -> None:
     require_extra(spec["formats"])
     if not is_main():
         return
-    dataset = first_test_set(cfg, rc.config_dir)
-    pre, pre_from = preprocessing(spec, dataset, rc.config_dir)
-    post = build.instantiate(spec["postprocess"], "export.postprocess", rc.config_dir) \
-        if spec.get("postprocess") else None
-    example = example_input(dataset, spec, raw=pre is not None)
-    if pre is not None and spec.get("input") is None:
-        check_preprocess(pre, dataset, example)
+    parts = graph_parts(cfg, spec, rc.config_dir) if "onnx" in spec["formats"] else None
     net = build.build_net(cfg, rc.config_dir)
     source = build.build_target(cfg, rc.config_dir).for_inference(spec.get("checkpoint"))
     load_weights(net, load(source), source)
-    model = Exported(net, pre, post).eval()
     out = Path(spec.get("output") or cfg.target.path)
     out.mkdir(parents=True, exist_ok=True)
     if "safetensors" in spec["formats"]:
         save_safetensors(net, out / "model.safetensors", source)
         log.info("wrote %s", out / "model.safetensors")
-    if "onnx" in spec["formats"]:
-        tmp = out / ".model.onnx.tmp"
-        try:
-            exporter = to_onnx(model, example, tmp, spec["dynamic_batch"], spec.get("opset"))
-            diff = check(model, tmp, example, spec["dynamic_batch"])
-            contract = describe(tmp, cfg=cfg, dataset=dataset, pre=pre, pre_from=pre_from,
-                                declared=declared_transform(dataset), post=post, source=source,
-                                exporter=exporter)
-            write_metadata(tmp, contract)
-            atomic_write(out / "model.onnx", lambda f: f.write(tmp.read_bytes()))
-        finally:
-            tmp.unlink(missing_ok=True)
-        atomic_write_text(out / "model.json", json.dumps(contract, indent=2) + "\n")
-        log.info("wrote %s and model.json from %s (%s exporter; onnxruntime vs PyTorch: max "
-                 "|diff| %.2g over batch sizes %s)", out / "model.onnx", source, exporter, diff,
-                 "2, 1, 3" if spec["dynamic_batch"] else "2")
-        log.info("model.onnx takes %s %s %r: %s", contract["input"]["dtype"],
-                 contract["input"]["name"], contract["input"]["shape"], contract["input"]["is"])
+    if parts is not None:
+        write_onnx(cfg, spec, net.eval(), parts, out, source)

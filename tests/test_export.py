@@ -202,6 +202,7 @@ def test_a_batch_read_as_a_python_int_is_an_error_not_a_fixed_batch(trained, tmp
     assert onnx_outputs(tmp_path / "model.onnx", x).shape == (2, 10)
 
 
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # int(x.shape[0]), on purpose
 def test_the_torchscript_fallback_is_checked_at_other_batch_sizes(tmp_path, monkeypatch):
     real = torch.onnx.export
     monkeypatch.setattr(torch.onnx, "export", lambda *a, dynamo=True, **k:
