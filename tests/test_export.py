@@ -221,3 +221,11 @@ def test_the_torchscript_fallback_is_checked_at_other_batch_sizes(tmp_path, monk
         with torch.no_grad():
             assert np.allclose(onnx_outputs(tmp_path / "good.onnx", x), good(x).numpy(),
                                atol=1e-5)
+
+
+def test_predict_without_an_exported_file_says_how_to_make_one(tmp_path, capsys):
+    write_config(tmp_path)
+    assert echelon3("predict", tmp_path) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"echelon3: error: {tmp_path / 'out' / 'model.onnx'}: not found; write it first with "
+        "echelon3 export (same config)")
