@@ -178,7 +178,7 @@ def example_input(dataset, spec, raw: bool) -> torch.Tensor:
 
 
 def test_inputs(dataset, indices) -> torch.Tensor:
-    from echelon3.evaluate import split_batch
+    from echelon3.batches import split_batch
 
     inputs, _ = split_batch(torch.utils.data.default_collate([dataset[i] for i in indices]))
     if not isinstance(inputs, torch.Tensor):

@@ -51,7 +51,7 @@ class RawInputs(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index: int):
-        from echelon3.evaluate import split_batch
+        from echelon3.batches import split_batch
 
         _, target = split_batch(self.dataset[index])
         return self.dataset.raw_input(index), target
@@ -79,7 +79,7 @@ def predict(rc, device, launcher) -> None:
     from echelon3 import build
     from echelon3.config import require
     from echelon3.data import create_dataloaders
-    from echelon3.evaluate import evaluate_sets
+    from echelon3.validation import evaluate_sets
     from echelon3.export import require_extra, settings
     from echelon3.precision import Precision
 
