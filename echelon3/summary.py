@@ -54,7 +54,8 @@ def trained_line(epochs: int, before: int, elapsed: float) -> str:
                 f"trainer.config.epochs to train more)")
     if before == 0:
         return f"trained {epochs} epoch{'s' if epochs != 1 else ''} in {elapsed:.1f} s"
-    return f"trained epochs {before + 1}-{epochs} (resumed after epoch {before}) in {elapsed:.1f} s"
+    which = f"epoch {epochs}" if epochs == before + 1 else f"epochs {before + 1}-{epochs}"
+    return f"trained {which} (resumed after epoch {before}) in {elapsed:.1f} s"
 
 
 def finish(folder: Path, epochs: int, started: float, before: int = 0) -> dict | None:

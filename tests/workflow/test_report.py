@@ -193,7 +193,8 @@ def test_html_report_holds_captioned_plots_and_the_leaderboard_table(finished, t
                  "echelon3 trains every experiment",  # the workflow description
                  "The dashed red line marks",  # the learning curves' caption
                  "Each axis spans the values shown",  # the metric chart's caption
-                 "Test-set metrics of every experiment"):  # the leaderboard's caption
+                 "validation data that chose",  # the leaderboard's caption
+                 "selected_on"):
         assert text in html, text
     table = (wf / "results/leaderboard.html").read_text()
     assert "<table" in table and "Ranked by <code>test accuracy</code>, highest first" in table
