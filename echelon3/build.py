@@ -243,7 +243,7 @@ def build_datasets(cfg, config_dir: Path | None = None, train: bool = True):
         train_set = instantiate(data.train, "data.train", config_dir)
         if data.get("val") is not None:
             if data.get("val_split") is not None:
-                raise BuildError(splits.KEY, "give data.val or data.val_split, not both")
+                raise BuildError("data.val_split", "give data.val or data.val_split, not both")
             return (train_set, *_dataset_sets(data.val, "data.val", config_dir))
         if data.get("val_split") is not None:
             train_set, val_set = splits.carve(train_set, data.val_split, int(cfg.get("seed", 0)))
