@@ -118,7 +118,7 @@ def example_input(cfg, config_dir, spec) -> torch.Tensor:
             raise ConfigError("export.input.dtype", f"not a torch dtype: {spec.get('dtype')!r}")
         return (torch.rand(2, *spec["shape"]) * 4).to(dtype)
     from echelon3 import build
-    from echelon3.evaluate import split_batch
+    from echelon3.batches import split_batch
 
     _, tests, _ = build.build_datasets(cfg, config_dir, train=False)
     dataset = next(iter(tests.values()))
