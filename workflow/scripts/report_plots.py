@@ -91,7 +91,7 @@ def _draw_parent(loss_ax, metric_ax, parent):
         if points:
             ax = loss_ax if _is_loss(key) else metric_ax
             ax.plot(*zip(*points), marker=".", ls=":", color="0.5", alpha=0.8,
-                    label=f"{name}: {key}")
+                    label=f"{name}: validation {key}" if _is_loss(key) else f"{name}: {key}")
     for ax in (loss_ax, metric_ax):
         ax.axvline(start, color="0.3", lw=1, label=f"fine-tuning starts ({name} best.tar)")
     return start
@@ -126,10 +126,12 @@ def draw_curves(name, records, best_epoch, selected_on="val", parent=None):
         label = f"{data} {key}" if _is_loss(key) else key
         ax.plot(*zip(*points), marker=marker, ls=line, ms=4, alpha=0.85, label=label)
         shown[ax] += [v for _, v in points]
-        if len(points) <= 3 and ax is metric_ax:  # a few points: their values, not a shape
+        if len(points) <= 2 and ax is metric_ax and not offset:
+            # a few points: their values, not a shape (above one curve, below the next)
+            above = len(shown[ax]) // len(points) % 2 == 1
             for x, v in points:
-                ax.annotate(f"{v:.4f}", (x, v), xytext=(0, 6), textcoords="offset points",
-                            ha="center", fontsize="x-small")
+                ax.annotate(f"{v:.4f}", (x, v), xytext=(0, 6 if above else -12),
+                            textcoords="offset points", ha="center", fontsize="x-small")
     for ax in (loss_ax, metric_ax):
         _mark_best(ax, best_epoch, offset)
         if offset == 0:
