@@ -223,6 +223,9 @@ def _dataset_sets(node, key: str, config_dir: Path | None):
     """One dataset (``{key: set}``, not named) or named sets -> ({name: set}, named?)."""
     if is_spec(node):
         return {key.rsplit(".", 1)[-1]: instantiate(node, key, config_dir)}, False
+    if not isinstance(node, Mapping | DictConfig | list | ListConfig):
+        raise BuildError(key, f"must be a dataset (module, type, config) or named sets, "
+                         f"got {node!r}")
     sets = {name: instantiate(spec, f"{key}.{name}", config_dir)
             for name, spec in named_items(node, key)}
     if not sets:

@@ -89,6 +89,14 @@ def test_bad_val_split_stops_train_with_exit_2_and_one_line(tmp_path, capsys):
     assert not (target(tmp_path) / "summary.json").exists()
 
 
+def test_val_of_the_wrong_kind_names_the_key(tmp_path, capsys):
+    write_config(tmp_path, {"data": {"val": 5}})
+    assert echelon3("train", tmp_path) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "echelon3: error: data.val: must be a dataset (module, type, config) or named sets, "
+        "got 5")
+
+
 def test_val_and_val_split_together_are_refused(tmp_path, capsys):
     write_config(tmp_path, {"data": {"val_split": 0.1, "val": {
         "module": "echelon3.datasets.digits", "type": "Digits", "config": {"limit": 10}}}})
