@@ -64,7 +64,7 @@ def check_optimizer_steps(cfg, train_set, loader: DataLoader, world_size: int) -
     config = (cfg.dataloaders.train.get("config") or {})
     batch = config.get("batch_size", 1)
     drop_last = bool(config.get("drop_last", False))
-    per_rank = f", {world_size} processes" if world_size > 1 else ""
+    per_rank = f" ({world_size} processes)" if world_size > 1 else ""
     if batches == 0:
         why = (f"with dataloaders.train.config.drop_last: true, data.train's {samples} samples "
                f"make no whole batch of {batch}{per_rank}") if drop_last and samples else \
