@@ -202,7 +202,13 @@ def create_dataloader(name: str, spec: Mapping, dataset: Dataset, *, train: bool
             report_prefetch(name, dataset, world_size, workers, int(config["prefetch_factor"]),
                             batch)
     spec = {"module": spec["module"], "type": spec["type"], "config": config}
-    return instantiate(spec, key, config_dir, dataset=dataset, sampler=sampler)
+    injected = {}
+    if train and "generator" not in config:
+        # The loader's own generator draws the workers' base seed, so opening the epoch's
+        # batches takes nothing from the training RNG: the same whether the loader is new
+        # (a resumed run) or persistent workers carry on (a straight one).
+        injected["generator"] = torch.Generator().manual_seed(int(seed))
+    return instantiate(spec, key, config_dir, dataset=dataset, sampler=sampler, **injected)
 
 
 def set_epoch(loader: DataLoader, epoch: int) -> None:
