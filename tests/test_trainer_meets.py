@@ -196,3 +196,20 @@ def test_history_after_a_resume_in_history_jsonl_has_no_duplicate(tmp_path, comb
     steps = [r["step"] for r in history(tmp_path / "out", "train")]
     assert steps == sorted(set(steps)) and steps[-1] == 4
 
+
+
+def test_after_a_world_size_change_each_rank_draws_its_own_stream():
+    from echelon3.rng import restore_for_rank, rng_state, set_rng_state
+
+    torch.manual_seed(3)
+    saved = rng_state()
+    draws = {}
+    for rank in (0, 1):
+        restore_for_rank([saved], saved, rank, 2)  # written by 1 rank, resumed by 2
+        draws[rank] = torch.rand(4)
+    assert not torch.equal(draws[0], draws[1])
+    restore_for_rank([saved], saved, 0, 1)  # the same world: exactly the saved state
+    set_rng_state(saved)
+    expected = torch.rand(4)
+    restore_for_rank([saved], saved, 0, 1)
+    assert torch.equal(torch.rand(4), expected)
