@@ -61,7 +61,7 @@ def check_optimizer_steps(cfg, train_set, loader: DataLoader, world_size: int) -
         batches, samples = len(loader), len(train_set)
     except TypeError:  # an IterableDataset: its length is not known in advance
         return
-    config = (cfg.dataloaders.train.get("config") or {})
+    config = ((cfg.dataloaders.get("train") or {}).get("config") or {})
     batch = config.get("batch_size", 1)
     drop_last = bool(config.get("drop_last", False))
     per_rank = f" ({world_size} processes)" if world_size > 1 else ""

@@ -136,7 +136,8 @@ def test_runtime_settings_defaults_and_validation():
     assert _settings() == {"precision": None, "tf32": True, "cudnn_benchmark": True,
                            "compile": False, "compile_mode": None,
                            "ddp_find_unused_parameters": True, "ddp_comm": "none",
-                           "ddp_gradient_as_bucket_view": True, "ddp_static_graph": False}
+                           "ddp_gradient_as_bucket_view": True, "ddp_static_graph": False,
+                           "extend": None}
     with pytest.raises(ConfigError, match="trainer.config.compile_mode"):
         _settings(compile_mode="fastest")
     with pytest.raises(ConfigError, match="trainer.config.compile"):
