@@ -130,35 +130,59 @@ def _user_error(e: BaseException):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (``sys.argv[1:]`` when None) -> the exit code.
+
+    Ctrl-C is handled by :mod:`echelon3.interrupt` from the first line on. Called
+    without ``argv``, as the program itself, a later Ctrl-C only sets a flag (the
+    interpreter is finishing); called with ``argv`` from other code, the caller's
+    SIGINT handling comes back on return.
+    """
+    from echelon3 import interrupt
+
+    with interrupt.handling(keep=argv is None):
+        try:
+            return _run(argv)
+        except KeyboardInterrupt:
+            return _interrupted()
+
+
+def _interrupted() -> int:
+    if _debug():
+        traceback.print_exc()
+    if os.environ.get("RANK", "0") == "0":  # one notice per run, not per rank
+        print("echelon3: interrupted", file=sys.stderr)
+    return 130
+
+
+def _run(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     try:
         _execute(args)
-    except KeyboardInterrupt:
+    except Exception as e:
+        return _failed(e)
+    return 0
+
+
+def _failed(e: Exception) -> int:
+    """The exit code of a failed command, after its one-line message; re-raises a bug."""
+    message = _user_error(e)
+    if message is not None:
         if _debug():
             traceback.print_exc()
-        if os.environ.get("RANK", "0") == "0":  # one notice per run, not per rank
-            print("echelon3: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:
-        message = _user_error(e)
-        if message is not None:
-            if _debug():
-                traceback.print_exc()
-            print(f"echelon3: error: {message}", file=sys.stderr)
-            return 2
-        from echelon3.dist import PEER_LOST, PEER_LOST_EXIT, WorkerFailed, peer_lost
-        from echelon3.preemption import Preempted
+        print(f"echelon3: error: {message}", file=sys.stderr)
+        return 2
+    from echelon3.dist import PEER_LOST, PEER_LOST_EXIT, WorkerFailed, peer_lost
+    from echelon3.preemption import Preempted
 
-        if isinstance(e, Preempted):
-            from echelon3.preemption import before_exit
+    if isinstance(e, Preempted):
+        from echelon3.preemption import before_exit
 
-            before_exit()
-            return e.exit_code  # the trainer logged where it stopped
-        if isinstance(e, WorkerFailed):
-            print(f"echelon3: {e}", file=sys.stderr)
-            return e.exit_code
-        if peer_lost(e):  # one rank of a torchrun / srun job; the failed one said why
-            print(f"echelon3: [rank {os.environ.get('RANK', '?')}] {PEER_LOST}", file=sys.stderr)
-            return PEER_LOST_EXIT
-        raise
-    return 0
+        before_exit()
+        return e.exit_code  # the trainer logged where it stopped
+    if isinstance(e, WorkerFailed):
+        print(f"echelon3: {e}", file=sys.stderr)
+        return e.exit_code
+    if peer_lost(e):  # one rank of a torchrun / srun job; the failed one said why
+        print(f"echelon3: [rank {os.environ.get('RANK', '?')}] {PEER_LOST}", file=sys.stderr)
+        return PEER_LOST_EXIT
+    raise e
