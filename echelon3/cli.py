@@ -51,15 +51,29 @@ examples:
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a "did you mean" after an invalid choice (a mistyped subcommand)."""
+
+    def error(self, message):
+        import re
+
+        from echelon3.errors import did_you_mean
+
+        found = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if found:
+            message += did_you_mean(found.group(1), re.findall(r"'([^']*)'", found.group(2)))
+        super().error(message)
+
+
 def parser() -> argparse.ArgumentParser:
     from echelon3 import __version__
 
-    top = argparse.ArgumentParser(
+    top = _Parser(
         prog="echelon3", description="Config-driven PyTorch training: one YAML per run.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_argument("--version", action="version", version=f"echelon3 {__version__}")
     sub = top.add_subparsers(dest="command", metavar="{" + ",".join([*TASKS, "profiles"]) + "}",
-                             required=True)
+                             required=True, parser_class=_Parser)
     for name, (_, _, help_text) in TASKS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,11 +100,11 @@ def _execute(args) -> None:
         profiles.main(args)
         return
 
-    from echelon3.config import load_config, to_yaml
+    from echelon3.config import to_yaml
 
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    rc = load_config(args.config_dir, args.config_name, args.overrides)
+    rc = _load(args)
     if args.print_config:
         sys.stdout.write(to_yaml(rc.cfg))
         return
@@ -115,6 +129,26 @@ def _execute(args) -> None:
 
     with held:
         runtime.launch(task, rc, validate)
+
+
+def _load(args):
+    """The composed config; a -cn that names no file gets the closest name in -cd."""
+    from pathlib import Path
+
+    from echelon3.config import load_config
+    from echelon3.errors import ConfigError, did_you_mean
+
+    try:
+        return load_config(args.config_dir, args.config_name, args.overrides)
+    except ConfigError as e:
+        if e.key != "--config-name" or "not found" not in e.message:
+            raise
+        folder = Path(args.config_dir or ".").expanduser()
+        names = sorted(path.stem for path in folder.glob("*.yaml"))
+        shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "") or "none"
+        name = args.config_name.removesuffix(".yaml")
+        raise ConfigError(e.key, f"{e.message}{did_you_mean(name, names)}; configs in "
+                          f"{folder}: {shown}") from None
 
 
 def _user_error(e: BaseException):
