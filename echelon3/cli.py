@@ -193,6 +193,10 @@ def _run(argv: list[str] | None) -> int:
     try:
         _execute(args)
     except Exception as e:
+        from echelon3 import interrupt
+
+        if interrupt.interrupted():  # a library that swallowed the KeyboardInterrupt failed on
+            raise KeyboardInterrupt from e
         return _failed(e)
     return 0
 

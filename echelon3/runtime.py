@@ -205,21 +205,29 @@ def _worker_exit_code(task: Task, rc: RunConfig, plan: Plan) -> int:
     try:
         run_worker(task, rc, plan)
         return 0
-    except UserError as e:
-        print(f"echelon3: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except dist.WorkerFailed as e:
-        print(f"echelon3: [rank {rank}] {e}", file=sys.stderr, flush=True)
-        return e.exit_code
     except preemption.Preempted:
         preemption.before_exit()
         return preemption.RESUBMIT_EXIT
     except Exception as e:
-        if dist.peer_lost(e):  # the rank that failed has said why; no second story here
-            print(f"echelon3: [rank {rank}] {dist.PEER_LOST}", file=sys.stderr, flush=True)
-            return dist.PEER_LOST_EXIT
-        print(f"[rank {rank}] " + traceback.format_exc().rstrip(), file=sys.stderr, flush=True)
-        return 1
+        if interrupt.interrupted():  # a library that swallowed the KeyboardInterrupt failed on
+            return 130
+        return _reported(e, rank)
+
+
+def _reported(e: Exception, rank: str) -> int:
+    """Say why this worker failed (one line for a user error) -> its exit code."""
+    if isinstance(e, UserError):
+        print(f"echelon3: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if isinstance(e, dist.WorkerFailed):
+        print(f"echelon3: [rank {rank}] {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    if dist.peer_lost(e):  # the rank that failed has said why; no second story here
+        print(f"echelon3: [rank {rank}] {dist.PEER_LOST}", file=sys.stderr, flush=True)
+        return dist.PEER_LOST_EXIT
+    print(f"[rank {rank}] " + "".join(traceback.format_exception(e)).rstrip(), file=sys.stderr,
+          flush=True)
+    return 1
 
 
 def launch(task: Task, rc: RunConfig, validate: Callable[[Plan], None] | None = None) -> None:
