@@ -147,8 +147,8 @@ def _load(args):
         names = sorted(path.stem for path in folder.glob("*.yaml"))
         shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "") or "none"
         name = args.config_name.removesuffix(".yaml")
-        raise ConfigError(e.key, f"{e.message}{did_you_mean(name, names)}; configs in "
-                          f"{folder}: {shown}") from None
+        raise ConfigError("--config-name", f"no {name}.yaml in {folder}"
+                          f"{did_you_mean(name, names)}; configs there: {shown}") from None
 
 
 def _user_error(e: BaseException):
