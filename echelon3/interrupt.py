@@ -45,6 +45,7 @@ _UNSAFE_FUNCTIONS = ("__del__", "_after_fork", "_at_fork_reinit", "_releaseLock"
 _interrupted = False
 _pending = False  # interrupted, the raise still to come
 _armed = False
+_next_hook = sys.__unraisablehook__  # the unraisable hook that was there before ours
 
 
 def interrupted() -> bool:
@@ -91,7 +92,7 @@ def _on_unraisable(hook) -> None:
             _pending = True
             signal.setitimer(signal.ITIMER_REAL, RETRY_S)
         return
-    sys.__unraisablehook__(hook)
+    _next_hook(hook)
 
 
 def install(unblock: Iterable[signal.Signals] = ()) -> None:
@@ -99,12 +100,13 @@ def install(unblock: Iterable[signal.Signals] = ()) -> None:
     unblock ``unblock``: a launcher starts its workers with the signals it relays blocked
     (see :func:`relay`), so that none arrives before the handlers do; one sent meanwhile
     stays pending and is delivered now."""
-    global _armed
+    global _armed, _next_hook
     if threading.current_thread() is not threading.main_thread():
         return
     signal.signal(signal.SIGINT, _on_sigint)
     signal.signal(signal.SIGALRM, _on_retry)
-    sys.unraisablehook = _on_unraisable
+    if sys.unraisablehook is not _on_unraisable:
+        _next_hook, sys.unraisablehook = sys.unraisablehook, _on_unraisable
     _armed = True
     signal.pthread_sigmask(signal.SIG_UNBLOCK, list(unblock))
 
