@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import re
 import tempfile
 from pathlib import Path
 from typing import IO, Any, Callable
 
-import numpy as np
 import torch
 
 from echelon3.dist import is_main
@@ -131,32 +129,6 @@ def load_weights(net, state: dict[str, Any], source: str | os.PathLike) -> None:
     except RuntimeError as e:
         raise CheckpointError(str(source), "does not fit the configured network: "
                               f"{' '.join(line.strip() for line in str(e).splitlines()[:2])}") from e
-
-
-# --------------------------------------------------------------------------- RNG state as data
-
-def rng_state() -> dict[str, Any]:
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    version, internal, gauss_next = random.getstate()
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
-                  float(gauss)],
-        "python": [version, list(internal), gauss_next],
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    version, internal, gauss_next = state["python"]
-    random.setstate((version, tuple(internal), gauss_next))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
 
 
 # --------------------------------------------------------------------------- the manager

@@ -1,4 +1,5 @@
-"""The ``echelon3`` command: train / finetune / evaluate / run / export, and ``profiles install``.
+"""The ``echelon3`` command: train / finetune / evaluate / run / export / predict, and
+``profiles install``.
 
 Heavy imports (torch, the tasks) happen inside the commands, so ``--help`` is
 instant. Exit codes: 0 success, 2 a user error (one line naming the config key
@@ -23,7 +24,9 @@ OTHER_TASKS_ONLY = {"train": ("evaluator", "runner", "export"),
                     "evaluate": ("runner", "trainer", "mlops", "export"),
                     "run": ("evaluator", "trainer", "mlops", "export"),
                     "export": ("evaluator", "runner", "dataloaders", "loss", "metrics", "optimizer",
-                               "scheduler", "trainer", "mlops")}
+                               "scheduler", "trainer", "mlops"),
+                    "predict": ("net", "evaluator", "runner", "loss", "optimizer", "scheduler",
+                                "trainer", "mlops")}
 
 TASKS = {
     "train": ("echelon3.train", "train", "train a network (resumes when target.path holds "
@@ -35,6 +38,8 @@ TASKS = {
     "run": ("echelon3.run", "run", "run inference with a checkpoint and write predictions as CSV"),
     "export": ("echelon3.export", "export", "write a checkpoint's network as ONNX and/or "
                "safetensors weights"),
+    "predict": ("echelon3.predict", "predict", "score the exported model.onnx on the test "
+                "set(s) with the configured metrics, fed raw inputs as its user would"),
 }
 
 EPILOG = """overrides (OmegaConf grammar):

@@ -5,7 +5,10 @@ world size. ``num_workers`` and ``prefetch_factor`` are PER RANK.
 
 The training sampler is always a ``DistributedSampler`` (one replica in a
 single process), so the data order is a function of (seed, epoch) alone: a run
-resumed at epoch k sees exactly the order an uninterrupted run would.
+resumed at epoch k sees exactly the order an uninterrupted run would. In a
+loader worker every training sample is loaded with the worker's generators
+seeded from (seed, epoch, index) (:class:`SeededDataset`), so its random
+augmentations do not depend on which worker loads it (see :mod:`echelon3.rng`).
 Evaluation shards by stride without padding, so no sample is counted twice.
 """
 
@@ -22,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
 from echelon3.build import instantiate, is_spec, to_plain
+from echelon3.rng import seed_sample
 from echelon3.errors import BatchSizeError, BuildError
 from echelon3.samples import GuardedCollate, GuardedDataset
 
@@ -40,11 +44,41 @@ def worker_init(_worker_id: int) -> None:
             pass
 
 
+class SeededDataset(Dataset):
+    """A training set whose samples, in a loader worker, are loaded with the worker's
+    generators seeded from (seed, epoch, index). The epoch lives in shared memory, so
+    persistent workers see each new one."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed = dataset, int(seed)
+        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("dataset", "seed", "epoch"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __getitem__(self, index):
+        if torch.utils.data.get_worker_info() is not None:
+            seed_sample(self.seed, int(self.epoch), index)
+        return self.dataset[index]
+
+
 class TrainSampler(DistributedSampler):
     """DistributedSampler that can start its next epoch part-way, after ``skip`` samples of
-    this rank (a run resumed from a mid-epoch checkpoint). ``len`` stays the whole epoch's."""
+    this rank (a run resumed from a mid-epoch checkpoint). ``len`` stays the whole epoch's.
+    ``seeded``: the :class:`SeededDataset` told the epoch."""
 
     skip = 0
+    seeded: SeededDataset | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        if self.seeded is not None:
+            self.seeded.epoch.fill_(epoch)
 
     def __iter__(self) -> Iterator[int]:
         skip, self.skip = self.skip, 0
@@ -146,6 +180,8 @@ def create_dataloader(name: str, spec: Mapping, dataset: Dataset, *, train: bool
     if train:
         sampler = TrainSampler(dataset, num_replicas=world_size, rank=rank,
                                shuffle=shuffle, seed=seed, drop_last=drop_last)
+        if not isinstance(dataset, IterableDataset):
+            dataset = sampler.seeded = SeededDataset(dataset, seed)
     else:
         sampler = ShardSampler(dataset, world_size, rank)
     config.update(batch_size=batch, drop_last=drop_last if train else False)
@@ -166,7 +202,13 @@ def create_dataloader(name: str, spec: Mapping, dataset: Dataset, *, train: bool
             report_prefetch(name, dataset, world_size, workers, int(config["prefetch_factor"]),
                             batch)
     spec = {"module": spec["module"], "type": spec["type"], "config": config}
-    return instantiate(spec, key, config_dir, dataset=dataset, sampler=sampler)
+    injected = {}
+    if train and "generator" not in config:
+        # The loader's own generator draws the workers' base seed, so opening the epoch's
+        # batches takes nothing from the training RNG: the same whether the loader is new
+        # (a resumed run) or persistent workers carry on (a straight one).
+        injected["generator"] = torch.Generator().manual_seed(int(seed))
+    return instantiate(spec, key, config_dir, dataset=dataset, sampler=sampler, **injected)
 
 
 def set_epoch(loader: DataLoader, epoch: int) -> None:

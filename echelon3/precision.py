@@ -76,6 +76,9 @@ class Precision:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def step(self, optimizer, closure=None) -> None:
+        if self.scaler is not None and closure is not None:
+            raise ValueError("a GradScaler cannot step a closure optimizer; resolve_mode "
+                             "turns fp16 into bf16 for them")
         if self.scaler is not None:
             self.scaler.step(optimizer)
             self.scaler.update()
@@ -83,6 +86,11 @@ class Precision:
             optimizer.step(closure)
         else:
             optimizer.step()
+
+    def grad_scale(self) -> float:
+        """What the gradients are multiplied by (the GradScaler's scale; 1 without one).
+        Reads the device: call it when saving, not per step."""
+        return float(self.scaler.get_scale()) if self.scaler is not None else 1.0
 
     def state_dict(self) -> dict[str, Any] | None:
         return self.scaler.state_dict() if self.scaler else None

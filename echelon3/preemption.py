@@ -7,12 +7,14 @@ time. echelon3 treats SIGTERM and the early-warning signal (``SIGUSR1``, or
 the one named by ``ECHELON3_PREEMPT_SIGNAL``) alike:
 
 1. the handler only notes the signal (no exception lands inside a collective);
-2. the training loop calls :func:`stop_now` after every step; with several
-   ranks they agree through one 1-element all-reduce, so all stop after the
-   same step even when the signal reached them at different times;
-3. the trainer writes a mid-epoch checkpoint (rank 0 writes; sampler position,
-   every rank's RNG states and the partial epoch sums are in it) and raises
-   :class:`Preempted`;
+2. one process stops after the micro-batch in progress; several ranks agree at
+   the trainer's next log point (``log_every_n_steps``): the flag joins the log
+   point's one collective, read one log point later, so all stop after the same
+   step, even when the signal reached them at different times, and no step
+   waits for it. Under DDP, keep a log interval well under the signal's lead
+   time (``--signal=USR1@<seconds>``);
+3. the trainer writes a mid-epoch checkpoint (rank 0 writes; every rank's part
+   of :mod:`echelon3.trainers.state` is in it) and raises :class:`Preempted`;
 4. the process exits with :data:`RESUBMIT_EXIT` (75, EX_TEMPFAIL): "try again",
    which the workflow retries; the next attempt resumes at that very step.
 
@@ -96,54 +98,6 @@ def reset() -> None:
     """Forget a received signal (tests, or a process that trains twice)."""
     global _received, _received_at
     _received = _received_at = None
-
-
-def stop_now(world_size: int, device=None) -> bool:
-    """Whether to stop after this step: this rank's flag, or any rank's under DDP
-    (a 1-element all-reduce, made only when there are several ranks)."""
-    local = _received is not None
-    if world_size <= 1:
-        return local
-    import torch
-    import torch.distributed as tdist
-
-    if not (tdist.is_available() and tdist.is_initialized()):
-        return local
-    flag = torch.tensor([1.0 if local else 0.0], device=device)
-    tdist.all_reduce(flag)
-    return bool(flag.item() > 0)
-
-
-def _all_ranks(obj) -> list:
-    import torch.distributed as tdist
-
-    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
-        return [obj]
-    gathered: list = [None] * tdist.get_world_size()
-    tdist.all_gather_object(gathered, obj)
-    return gathered
-
-
-def position(step: int, epoch_rng: dict, sums: dict, count: int) -> dict:
-    """Where a preempted epoch stands, for its checkpoint (a collective under DDP): steps
-    done in the epoch, and per rank the RNG states at the epoch's start (before the
-    loader drew its seed) and the partial sums of the losses not yet logged."""
-    mine = {"epoch_rng": epoch_rng, "sums": {k: v.detach().cpu() for k, v in sums.items()}}
-    return {"step": int(step), "count": int(count), "ranks": _all_ranks(mine)}
-
-
-def resume_point(state, rank: int, world_size: int) -> dict | None:
-    """What a rank needs to continue a preempted epoch, or None for an epoch-end checkpoint.
-    Under another world size rank 0's states stand in (the data order differs anyway)."""
-    saved = state.get("preempted")
-    if not saved:
-        return None
-    same = len(saved["ranks"]) == world_size
-    mine = saved["ranks"][rank if same else 0]
-    per_rank = state.get("rng_states")
-    current = per_rank[rank] if same and per_rank else state["rng_state"]
-    return {"step": saved["step"], "count": saved["count"], "sums": mine["sums"],
-            "epoch_rng": mine["epoch_rng"], "rng": current}
 
 
 def before_exit() -> None:

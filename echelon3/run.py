@@ -18,7 +18,7 @@ import torch
 
 from echelon3.dist import all_gather_object, is_main
 from echelon3.checkpoint import atomic_write_text
-from echelon3.evaluate import split_batch, to_device
+from echelon3.batches import split_batch, to_device
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,8 @@ def run(rc, device, launcher) -> None:
     from echelon3 import build
     from echelon3.config import require
     from echelon3.data import create_dataloaders
-    from echelon3.tasks import load_for_inference, seed_everything
+    from echelon3.rng import seed_everything
+    from echelon3.tasks import load_for_inference
 
     cfg = rc.cfg
     require(cfg, "net", "dataloaders", "target", task="run")

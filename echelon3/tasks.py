@@ -3,22 +3,12 @@
 from __future__ import annotations
 
 import logging
-import random
-
-import numpy as np
-import torch
 
 from echelon3 import build
 from echelon3.checkpoint import CheckpointManager, load, load_weights
 from echelon3.precision import Precision
 
 log = logging.getLogger(__name__)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def load_for_inference(rc, device, checkpoint: str | None):

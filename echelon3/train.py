@@ -34,8 +34,8 @@ from echelon3.finetune import WarmStart, scale_group_lrs
 from echelon3.mlops import NoOpLogger
 from echelon3.precision import Precision
 from echelon3.summary import SUMMARY, finish, forget_unfinished
-from echelon3.tasks import seed_everything
-from echelon3.trainers.baseline import is_closure_optimizer
+from echelon3.optimizers.closure import is_closure_optimizer
+from echelon3.rng import seed_everything
 
 log = logging.getLogger(__name__)
 

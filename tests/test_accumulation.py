@@ -15,7 +15,9 @@ import torch
 from echelon3 import preemption
 from echelon3.errors import ConfigError
 from echelon3.nets.mlp import MLP
-from echelon3.trainers.accumulation import Accumulation
+from echelon3.precision import Precision
+from echelon3.trainers.nonfinite import NonFiniteGuard
+from echelon3.trainers.stepping import Stepping
 from tests.conftest import run_cli
 from tests.helpers import (assert_same_tensors, blobs, echelon3, load, loader, make_trainer,
                            write_config)
@@ -24,7 +26,7 @@ TOLERANCE = 1e-6  # |w_accumulated - w_big_batch|, float32 summation order
 
 
 def test_windows_cover_the_epoch_and_scale_by_their_size():
-    acc = Accumulation(3)
+    acc = Stepping(3, NonFiniteGuard(), Precision("fp32", torch.device("cpu")), list)
     windows = [acc.window(i, 7) for i in range(7)]
     assert [last for _, last in windows] == [False, False, True, False, False, True, True]
     assert [scale for scale, _ in windows] == [1 / 3] * 6 + [1.0]  # the last window holds 1
@@ -91,8 +93,9 @@ def test_preempted_in_the_middle_of_a_window_resumes_exactly(tmp_path, own_handl
     monkeypatch.delenv(PREEMPT_AT)
     (mid,) = (split / "out").glob("checkpoint-1-step*.tar")
     state = load(mid)
-    assert state["global_step"] == 3 and state["preempted"]["step"] == 5
-    assert state["accum_pending"] == 2 and len(state["accum_grads"]) == 4
+    (mine,) = state["mid_epoch"]["ranks"]
+    assert state["global_step"] == 3 and mine["position"]["step"] == 5
+    assert len(mine["stepping"]["losses"]) == 2 and len(mine["stepping"]["grads"]) == 4
     preemption.reset()
     assert echelon3("train", split) == 0
     assert_same_tensors(load(split / "out" / "checkpoint-2.tar")["model_state_dict"],
@@ -101,15 +104,15 @@ def test_preempted_in_the_middle_of_a_window_resumes_exactly(tmp_path, own_handl
 
 def test_two_ranks_accumulating_equal_one_process_with_the_whole_batch(tmp_path):
     """2 ranks x 2 micro-batches of 8 (global 16) == 1 process, batch 32. The 2-rank run is
-    preempted inside a window and resumed (the partial gradients travel in the checkpoint,
-    averaged over the ranks), and DDP's static graph is on, so its first iteration syncs
-    inside a window (an all-reduce more): neither may change the result."""
+    preempted (ranks agree at a log point, so at a window's end) and resumed, and DDP's
+    static graph is on, so its first iteration syncs inside a window (an all-reduce more):
+    neither may change the result."""
     plain = {"net": {"config": {"dropout": 0.0}}, "optimizer": {"config": {"momentum": 0.0}},
              "dataloaders": {"train": {"config": {"shuffle": False}}},
              "trainer": {"config": {"epochs": 1, "precision": "fp32"}}}
     ranks = tmp_path / "ranks"
     write_config(ranks, {**plain, **preempting(0.0, epochs=1, grad_accum_steps=2,
-                                                ddp_static_graph=True,
+                                                ddp_static_graph=True, log_every_n_steps=1,
                                                 ddp_find_unused_parameters=False),
                          "dataloaders": {"train": {"config": {"shuffle": False,
                                                               "batch_size": 16}}}},
@@ -118,7 +121,10 @@ def test_two_ranks_accumulating_equal_one_process_with_the_whole_batch(tmp_path)
     result = run_cli(args, env={PREEMPT_AT: "5"}, timeout=240)
     assert result.returncode == preemption.RESUBMIT_EXIT, result.stderr[-3000:]
     (mid,) = (ranks / "out").glob("checkpoint-0-step*.tar")
-    assert load(mid)["accum_pending"] == 1  # micro-batch 5: the first of window 3
+    # The signal in micro-batch 5 joins step 3's log point, read at step 4's: all stop there.
+    state = load(mid)
+    assert state["global_step"] == 4
+    assert [r["stepping"] for r in state["mid_epoch"]["ranks"]] == [{}, {}]
     result = run_cli(args, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     single = tmp_path / "single"

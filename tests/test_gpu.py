@@ -41,3 +41,52 @@ def test_gpu_index_beyond_the_node_is_an_error(probe):
     missing = torch.cuda.device_count()
     result = run_cli(["train", "-cd", str(config_dir), "-cn", "probe", f"gpus=[{missing}]"])
     assert result.returncode == 2 and f"gpus: GPU {missing} does not exist" in result.stderr
+
+
+def test_no_host_sync_between_log_points(tmp_path):
+    """On a GPU the loop waits for the device only at log points, and there only for
+    work that finished an interval ago: counted with torch's sync debug mode (a warning
+    per synchronizing call) and a counting ``Tensor.item``, per optimizer step."""
+    import warnings
+
+    from tests.helpers import blobs, make_trainer
+
+    device = torch.device("cuda", 0)
+    inputs, labels = blobs(256)
+    data = torch.utils.data.TensorDataset(inputs, labels)
+    trainer = make_trainer(tmp_path, net=torch.nn.Linear(4, 3).to(device), epochs=1,
+                           log_every_n_steps=4,
+                           train_loader=torch.utils.data.DataLoader(data, batch_size=16))
+    trainer.device, trainer.move = device, True
+    trainer.precision = Precision("bf16", device)
+    trainer.stepping.precision = trainer.precision
+    trainer.running.device = device
+    marks: list[tuple[int, int]] = []
+    items = [0]
+    original_item, original_step = torch.Tensor.item, trainer.micro_batch
+
+    def counting_item(self):
+        items[0] += 1
+        return original_item(self)
+
+    def marked(*args, **kwargs):
+        marks.append((trainer.global_step, len(caught) + items[0]))
+        return original_step(*args, **kwargs)
+
+    trainer.micro_batch = marked
+    torch.cuda.set_sync_debug_mode("warn")
+    torch.Tensor.item = counting_item
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        torch.Tensor.item = original_item
+    # syncs from entering step s + 1's micro-batch to entering step s + 2's: step s + 1
+    # itself and the log point after it
+    per_step = {step + 1: after - before for (step, before), (_, after) in zip(marks, marks[1:])}
+    for step, syncs in per_step.items():
+        if step == 1:
+            continue  # first-call set-up
+        assert syncs <= (1 if step % 4 == 0 else 0), (step, syncs, per_step)

@@ -31,7 +31,7 @@ def test_a_trainer_step_with_sam_does_two_forward_and_backward_passes(tmp_path):
     steps = len(trainer.train_loader)
     net.train()
     for batch in trainer.train_loader:
-        trainer.train_step(batch)
+        trainer.micro_batch(batch, 1.0, True)
     assert (net.forwards, net.backwards) == (2 * steps, 2 * steps)
 
 

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from echelon3.errors import ConfigError
-from echelon3.evaluate import match_target, weighted_loss
+from echelon3.batches import match_target, weighted_loss
 from echelon3.mlops import NoOpLogger
 from echelon3.trainers.selection import KeepBest
 from tests.helpers import (ForwardCounter, assert_same_tensors, blobs, echelon3, history, load,
@@ -44,7 +44,7 @@ def test_each_step_zeroes_grads_then_steps_on_the_fresh_gradient(tmp_path):
     inputs, labels = blobs()
     batches = [(inputs[:16], labels[:16]), (inputs[16:32], labels[16:32])]
     for batch in batches:
-        trainer.train_step(batch)
+        trainer.micro_batch(batch, 1.0, True)
     for x, y in batches:
         manual.zero_grad()
         torch.nn.functional.cross_entropy(manual(x), y).backward()
@@ -58,7 +58,7 @@ def test_each_step_zeroes_grads_then_steps_on_the_fresh_gradient(tmp_path):
 def test_plain_optimizer_does_one_forward_and_backward_per_step(tmp_path):
     net = ForwardCounter(torch.nn.Linear(4, 3))
     trainer = make_trainer(tmp_path, net=net, epochs=1)
-    trainer.train_step(next(iter(trainer.train_loader)))
+    trainer.micro_batch(next(iter(trainer.train_loader)), 1.0, True)
     assert (net.forwards, net.backwards) == (1, 1)
 
 
@@ -69,7 +69,7 @@ def test_lbfgs_is_stepped_with_a_closure(tmp_path):
     assert trainer.closure
     batch = next(iter(trainer.train_loader))
     before = torch.nn.functional.cross_entropy(net.net(batch[0]), batch[1]).item()
-    parts = trainer.train_step(batch)
+    parts = trainer.closure_step(batch)
     after = torch.nn.functional.cross_entropy(net.net(batch[0]), batch[1]).item()
     assert net.backwards > 1  # LBFGS re-evaluates the closure within one step
     assert after < before

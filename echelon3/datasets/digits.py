@@ -6,9 +6,22 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from echelon3.nets.preprocess import Standardize
+
+PIXEL_SCALE = 1 / 16  # load_digits() pixels are 0-16
+
 
 class Digits(Dataset):
     """A deterministic stratified split; images normalised to zero mean, unit variance, 1x8x8.
+
+    The normalisation is ``(pixels / 16 - mean) / std`` with the mean and standard
+    deviation of the train split's ``pixels / 16`` (float32, over all pixels), the
+    same for both splits. The dataset declares it, as a dataset that transforms its
+    inputs should (``echelon3 export`` and ``echelon3 predict`` read these):
+
+    - ``preprocess``: that transform as a module, raw pixels (``N x 1 x 8 x 8``,
+      float32, 0-16, as ``load_digits().images`` holds them) -> the inputs returned;
+    - ``raw_input(index)``: sample ``index``'s raw pixels.
 
     ``limit`` keeps the first N samples of the split (small test sets for tests).
     """
@@ -21,15 +34,17 @@ class Digits(Dataset):
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
         data = load_digits()
-        images = data.images.astype(np.float32) / 16.0
+        pixels = data.images.astype(np.float32)
         x_train, x_test, y_train, y_test = train_test_split(
-            images, data.target, test_size=test_fraction, random_state=seed,
+            pixels, data.target, test_size=test_fraction, random_state=seed,
             stratify=data.target)
-        mean, std = x_train.mean(), x_train.std()
+        scaled = x_train * np.float32(PIXEL_SCALE)
+        self.preprocess = Standardize(scaled.mean(), scaled.std(), scale=PIXEL_SCALE)
         x, y = (x_train, y_train) if split == "train" else (x_test, y_test)
         if limit is not None:
             x, y = x[:limit], y[:limit]
-        self.images = torch.from_numpy((x - mean) / std).unsqueeze(1).contiguous()
+        self.raw = torch.from_numpy(x).unsqueeze(1).contiguous()
+        self.images = self.preprocess(self.raw).contiguous()
         self.labels = torch.from_numpy(y.astype(np.int64))
 
     def __len__(self) -> int:
@@ -37,3 +52,6 @@ class Digits(Dataset):
 
     def __getitem__(self, index: int):
         return self.images[index], self.labels[index]
+
+    def raw_input(self, index: int) -> torch.Tensor:
+        return self.raw[index]

@@ -18,6 +18,7 @@ from echelon3.build import instantiate, is_spec, resolve_type
 
 class SAMOptimizer(torch.optim.Optimizer):
     lazy_specs = ("base_optimizer",)  # built here, with params=
+    needs_closure = True  # the trainer steps it with a closure (echelon3.optimizers.closure)
 
     def __init__(self, params, base_optimizer: Any = "torch.optim.SGD", rho: float = 0.05,
                  adaptive: bool = False, **base_kwargs):

@@ -1,22 +1,35 @@
 """The training loop, over objects it is handed (built in ``echelon3.train``).
 
-Per step: zero grads, forward under the precision's autocast, the weighted sum
-of the configured losses, backward, optimizer step (closure optimizers get a
-closure). With ``grad_accum_steps: N`` the optimizer steps every N micro-batches
-(``accumulation.py``); ``global_step`` counts optimizer steps. The scheduler
-steps once per epoch. ``profile`` runs torch.profiler over a window of batches
-(``echelon3/profiling.py``). Validation runs
-``times_to_validate_per_epoch`` times per epoch on every rank over its shard,
-through the network without its DDP wrapper; metrics reduce across ranks, so
-keep-best decides the same on every rank. Only rank 0 writes (checkpoint
-manager and logger enforce that).
+What happens for each micro-batch, in this order (the one place it is written):
 
-The hot loop never waits for the device: losses are averaged on the device
-between log points and read one log point later (``running.py``); batches are
-moved only when the device is not the CPU. Each epoch adds a ``split: time``
-record to the history, from :mod:`echelon3.bottleneck`, and the first
-steady-state epoch logs it with the lever to pull when the run is input- or
-launch-bound.
+1. Ctrl-C is looked at (a flag; stop here, at a safe point).
+2. Forward under the precision's autocast, the weighted sum of the configured
+   losses divided by the size of the accumulation window, backward (under DDP's
+   ``no_sync`` unless the micro-batch closes its window). A closure optimizer
+   (SAMOptimizer, LBFGS) runs its whole step here instead, through a closure.
+3. :meth:`Stepping.decide <echelon3.trainers.stepping.Stepping.decide>`: ``wait``
+   (window open), ``step`` or ``skip`` (``nan_policy: skip`` and a non-finite
+   loss in the window on some rank).
+4. When the window closed: the optimizer steps (``step``) or the window's
+   gradients are dropped (``skip``); ``global_step`` counts the window; its
+   losses go to the non-finite guard and to the running means (not when skipped).
+5. At a log point (every ``log_every_n_steps`` optimizer steps, and at the end
+   of the epoch): one collective starts (losses, non-finite flag, preemption
+   flag under DDP) and the previous log point's is read: its train record is
+   written, a non-finite loss stops the run, a preemption stops it here.
+6. At a validation point (``times_to_validate_per_epoch``, at window ends):
+   validation, keep-best and ``best.tar``.
+7. One process: a preemption signal stops the run after this micro-batch, even
+   inside a window. The checkpoint is written by :meth:`Trainer._preempt`, after
+   the non-finite guard has checked what it would save.
+8. The profiler counts the micro-batch; ``profile.stop_after`` ends the run at
+   the end of a window.
+
+After the epoch the scheduler steps, validation runs and the epoch's checkpoint
+is written. The hot loop never waits for the device (reads happen one log point
+later) and runs no collective outside log points, except DDP's gradient
+all-reduce and, under ``nan_policy: skip``, one flag per optimizer step.
+Mid-epoch state has one home, :mod:`echelon3.trainers.state`.
 """
 
 from __future__ import annotations
@@ -29,41 +42,26 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm  # not tqdm.auto: its asyncio variant opens every loader twice
 
 from echelon3 import preemption
+from echelon3.batches import split_batch, to_device, weighted_loss
 from echelon3.bottleneck import EpochClock, is_compiled
-from echelon3.checkpoint import rng_state, set_rng_state, strip_prefixes
-from echelon3.data import set_epoch, skip_batches
-from echelon3.dist import all_gather_object, get_rank, get_world_size, is_main, unwrap
-from echelon3.errors import ConfigError
-from echelon3.evaluate import evaluate_sets, metric_name, split_batch, to_device, weighted_loss
+from echelon3.checkpoint import strip_prefixes
+from echelon3.dist import all_gather_object, get_rank, get_world_size, unwrap
+from echelon3.optimizers.closure import is_closure_optimizer
 from echelon3.profiling import Profiler
+from echelon3.rng import restore_for_rank, rng_state
 from echelon3.runtime import interrupted
 from echelon3.samples import naming_bad_labels
-from echelon3.trainers.accumulation import Accumulation
-from echelon3.trainers.running import RunningLosses
+from echelon3.trainers.logpoint import LogPoint
 from echelon3.trainers.nonfinite import NonFiniteGuard
-from echelon3.trainers.selection import KeepBest
+from echelon3.trainers.running import RunningLosses
+from echelon3.trainers.state import EpochPosition, MidEpoch
+from echelon3.trainers.stepping import STEP, WAIT, Stepping
+from echelon3.trainers.validating import Validation
 
 log = logging.getLogger(__name__)
 
-CLOSURE_OPTIMIZERS = ("SAMOptimizer", "LBFGS")
-# Keys of every history record; a loss or metric of that name would overwrite one.
-RESERVED = ("split", "epoch", "step", "lr")
 
-
-def is_closure_optimizer(optimizer) -> bool:
-    return type(optimizer).__name__ in CLOSURE_OPTIMIZERS
-
-
-def _check_names(losses: Mapping, metrics: Mapping) -> None:
-    taken = (*RESERVED, "loss")
-    for section, names in (("loss", losses), ("metrics", metrics)):
-        for name in names:
-            if name in taken or "/" in name:
-                raise ConfigError(f"{section}.{name}", "this name is taken by the history "
-                                  f"records ({', '.join(taken)}) or contains '/'; rename it")
-
-
-class Trainer:
+class Trainer(Validation):
     """Injected: everything but the keyword settings below, which come from ``trainer.config``."""
 
     def __init__(self, *, net, losses, optimizer, train_loader, test_loaders, metrics,
@@ -83,43 +81,31 @@ class Trainer:
         self.checkpoints, self.logger, self.named_sets = checkpoints, logger, named_sets
         self.epochs, self.validations = int(epochs), int(times_to_validate_per_epoch)
         self.float_labels, self.log_every = float_labels, max(1, int(log_every_n_steps))
-        self.progress_bar = progress_bar and is_main()
         self.extra_state = dict(extra_state or {})
         self.closure = is_closure_optimizer(optimizer)
         self.nonfinite = NonFiniteGuard(nan_policy, self.closure)
-        self.accum = Accumulation(grad_accum_steps, self.closure)
+        self.stepping = Stepping(grad_accum_steps, self.nonfinite, precision, self._params,
+                                 self.closure)
         self.profiler = Profiler(profile, checkpoints.path)
-        sets = [metrics_on] if isinstance(metrics_on, str) else list(metrics_on or test_loaders)
-        unknown = [s for s in sets if s not in test_loaders]
-        if unknown:
-            raise ConfigError("trainer.config.metrics_on", f"unknown test set '{unknown[0]}'; "
-                              f"known: {', '.join(test_loaders)}")
-        self.metric_sets = sets
-        _check_names(losses, metrics)
-        self.keep_best = KeepBest(keep_best_on, high_is_better, self.metric_names(),
-                                  sets[0] if named_sets else None)
+        self.setup_validation(metrics_on, keep_best_on, high_is_better, progress_bar)
         self.epoch, self.global_step = 0, 0
-        self.best_metrics: dict[str, float] | None = None
-        self.last_metrics: dict[str, float] = {}
-        self._rng = None  # RNG state to restore right before training resumes
         self.move = torch.device(device).type != "cpu"  # batches already sit on the CPU
         single = len(losses) == 1 and next(iter(losses.values()))[1] == 1
-        self.running = RunningLosses(["loss", *losses], same_as_total=single)
+        self.running = RunningLosses(["loss", *losses], same_as_total=single, device=device)
+        self.logpoint = LogPoint()
+        self._stop = False  # a rank received a preemption signal (read at a log point)
+        self.position = EpochPosition()
+        self.mid_epoch = MidEpoch(position=self.position, nonfinite=self.nonfinite,
+                                  stepping=self.stepping, running=self.running)
         self._bar = None
-        self._mid = None  # where a preempted epoch resumes (preemption.resume_point)
-        self._epoch_rng = None  # RNG states as the epoch in progress began
+        self._resume_rng = None  # (every rank's RNG states, rank 0's) to restore at fit
         if resume_state is not None:
             self.restore(resume_state)
 
-    # ------------------------------------------------------------------ names and state
-
-    def metric_names(self) -> list[str]:
-        names = [metric_name(s, "loss", self.named_sets) for s in self.test_loaders]
-        names += [metric_name(s, m, self.named_sets) for s in self.metric_sets
-                  for m in self.metrics]
-        return names
+    # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
+        """An epoch checkpoint (a collective: every rank's RNG states are gathered)."""
         return {
             "model_state_dict": strip_prefixes(unwrap(self.net).state_dict()),
             "optimizer_state_dict": self.optimizer.state_dict(),
@@ -131,7 +117,6 @@ class Trainer:
             "best_metrics": dict(self.best_metrics) if self.best_metrics else None,
             "rng_state": rng_state(),  # rank 0's; every rank's below, for exact DDP resume
             "rng_states": all_gather_object(rng_state()) if get_world_size() > 1 else None,
-            **self.accum.state_dict(self._params()),
             **self.extra_state,
         }
 
@@ -144,174 +129,161 @@ class Trainer:
         self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
         self.best_metrics = state.get("best_metrics")
         self.last_metrics = dict(state.get("metrics") or {})
-        per_rank = state.get("rng_states")
-        same_world = per_rank is not None and len(per_rank) == get_world_size()
-        self._rng = per_rank[get_rank()] if same_world else state.get("rng_state")
-        self._mid = preemption.resume_point(state, get_rank(), get_world_size())
-        if self._mid is not None:
-            self._rng = None  # restored as the preempted epoch restarts
-        self.accum.load_state_dict(state, self._params())
+        if not self.mid_epoch.load(state, get_rank()):
+            self._resume_rng = (state.get("rng_states"), state["rng_state"])
 
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    # ------------------------------------------------------------------ one step
+    def check_before_save(self) -> None:
+        self._flush_logs()
+        self.nonfinite.check_before_save(self._params())
 
-    def train_step(self, batch, scale: float = 1.0, last: bool = True) -> dict[str, torch.Tensor]:
-        """One micro-batch: its loss x ``scale`` backward, and the optimizer step when
-        ``last``; ``{"loss": total, name: part, ...}``, detached, on the device."""
+    # ------------------------------------------------------------------ one micro-batch
+
+    def forward_backward(self, batch, scale: float = 1.0) -> dict[str, torch.Tensor]:
+        """The micro-batch's losses x ``scale`` backward: ``{"loss": total, name: part}``."""
         inputs, target = split_batch(batch)
         if self.move:
             inputs, target = to_device((inputs, target), self.device)
-        recorded: dict[str, torch.Tensor] = {}
+        with self.profiler.label("compute"):
+            with self.precision.autocast():
+                total, parts = weighted_loss(self.losses, self.net(inputs), target,
+                                             self.float_labels)
+            # No extra multiply (a kernel and an autograd node) when not accumulating.
+            self.precision.backward(total * scale if scale != 1 else total)
+        return {"loss": total.detach(), **{k: v.detach() for k, v in parts.items()}}
 
-        def forward_backward():
-            with self.profiler.label("compute"):
-                with self.precision.autocast():
-                    total, parts = weighted_loss(self.losses, self.net(inputs), target,
-                                                 self.float_labels)
-                # No extra multiply (a kernel and an autograd node) when not accumulating.
-                self.precision.backward(total * scale if scale != 1 else total)
-            if not recorded:
-                recorded.update(parts, loss=total)
-            return total
+    def closure_step(self, batch) -> dict[str, torch.Tensor]:
+        """A closure optimizer's whole step; the losses of its first evaluation."""
+        recorded: dict[str, torch.Tensor] = {}
 
         def closure():
             self.optimizer.zero_grad(set_to_none=True)
-            return forward_backward()
+            parts = self.forward_backward(batch)
+            recorded.update(parts if not recorded else {})
+            return parts["loss"]
 
+        with self.profiler.label("optimizer"):
+            self.precision.step(self.optimizer, closure)
+        return recorded
+
+    def micro_batch(self, batch, scale: float, last: bool) -> str:
+        """Steps 2-4 of the order above; the decision taken."""
         if self.closure:
-            with self.profiler.label("optimizer"):
-                self.precision.step(self.optimizer, closure)
+            self.stepping.decide(self.closure_step(batch), last=True)
+            decision = STEP
         else:
-            with self.accum.sync(self.net, last):
-                forward_backward()
-            if self.nonfinite.skip(recorded["loss"]):
-                self.accum.drop(self.optimizer)  # the window's gradients so far go too
-                return {}
-            if last:
+            with self.stepping.sync(self.net, last):
+                parts = self.forward_backward(batch, scale)
+            decision = self.stepping.decide(parts, last)
+            if decision == STEP:
                 with self.profiler.label("optimizer"):
                     self.precision.step(self.optimizer)
                     self.optimizer.zero_grad(set_to_none=True)
-        return {k: v.detach() for k, v in recorded.items()}
+        if decision != WAIT:
+            losses = self.stepping.close(self.optimizer, decision)
+            self.global_step += 1
+            self.nonfinite.observe(self.epoch + 1, self.global_step, losses)
+            for parts in losses:
+                self.running.add(parts)
+        return decision
 
-    # ------------------------------------------------------------------ validation
+    # ------------------------------------------------------------------ log points
 
-    def evaluate(self) -> dict[str, float]:
-        """Validation through the network without its DDP wrapper, every rank on its shard."""
-        net = self.net.module if isinstance(self.net, DistributedDataParallel) else self.net
-        return evaluate_sets(net, self.test_loaders, self.metrics, precision=self.precision,
-                             device=self.device, losses=self.losses, named_sets=self.named_sets,
-                             metric_sets=self.metric_sets, float_labels=self.float_labels,
-                             progress=self.progress_bar)
+    def _log_point(self, epoch: int) -> None:
+        """Step 5: start this interval's collective, act on the previous one's."""
+        means = self.running.take()
+        values = {"bad": self.nonfinite.interval_flag(self.device)}
+        if get_world_size() > 1:
+            values["stop"] = torch.tensor(float(preemption.requested() is not None),
+                                          device=self.device)
+        if means is not None:
+            values["losses"] = means
+        record = {"split": "train", "epoch": epoch, "step": self.global_step}
+        self._act(self.logpoint.exchange(record if means is not None else None, values))
 
-    def validate(self, epoch: int, save_best: bool = True) -> bool:
-        """Validate during ``epoch`` (1-based, the epoch in progress or just finished);
-        True when keep-best took this result (saved as best.tar if ``save_best``)."""
-        self.nonfinite.check()
-        metrics = self.evaluate()
-        self.last_metrics = metrics
-        best = self.keep_best.is_better(metrics, self.best_metrics)
-        if best:
-            self.best_metrics = dict(metrics)
-        self.logger.log({"split": "val", "epoch": epoch, "step": self.global_step, **metrics})
-        summary = " | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-        log.info("epoch %d step %d | %s%s", epoch, self.global_step, summary,
-                 " | new best" if best else "")
-        if best and save_best:
-            self.checkpoints.save_best(self.state_dict())
-        return best
+    def _flush_logs(self) -> None:
+        self._act(self.logpoint.flush())
+
+    def _act(self, read) -> None:
+        if read is None:
+            return
+        record, values = read
+        self.nonfinite.read(values["bad"][0])
+        if record is not None:
+            record = self.running.fill(record, values["losses"])
+            record["lr"] = self.optimizer.param_groups[0]["lr"]
+            self.logger.log(record)
+            if self._bar is not None:
+                self._bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+        if values.get("stop", [0])[0] > 0:
+            self._stop = True
 
     # ------------------------------------------------------------------ the loop
 
-    def _log(self, record: dict | None) -> None:
-        """Write a finished train record; the progress bar shows its loss."""
-        if record is None:
-            return
-        record["lr"] = self.optimizer.param_groups[0]["lr"]
-        self.logger.log(record)
-        if self._bar is not None:
-            self._bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
-
     def _train_epoch(self, epoch: int, clock: EpochClock) -> bool:
         """One epoch; True when the profiled window ended the run (``profile.stop_after``)."""
-        batches, done = self._start_epoch(epoch)
+        batches, done = self.position.start(self.train_loader, epoch, get_rank())
         self.net.train()
-        steps, world = len(self.train_loader), get_world_size()
-        validate_at = {round(steps * (k + 1) / self.validations)
+        steps = len(self.train_loader)
+        windows = self.stepping.windows_in(steps)
+        validate_at = {round(windows * (k + 1) / self.validations)
                        for k in range(self.validations - 1)}
-        # On a GPU one step per log interval runs between CUDA events (none when that would
-        # be most steps).
+        # On a GPU one step per log interval runs between CUDA events.
         sample_at = self.log_every // 2 if clock.cuda and self.log_every >= 4 else -1
         self._bar = bar = tqdm(self.profiler.batches(clock.batches(batches)), total=steps,
-                               initial=done,
-                               desc=f"epoch {epoch + 1}/{self.epochs}",
+                               initial=done, desc=f"epoch {epoch + 1}/{self.epochs}",
                                disable=None if self.progress_bar else True, dynamic_ncols=True)
-        stopped = False
+        self._stop, profiled = False, False  # profiled: the profiled window is over
         for i, batch in enumerate(bar, start=done + 1):
             if interrupted():
                 raise KeyboardInterrupt
-            scale, last = self.accum.window(i - 1, steps)
+            scale, last = self.stepping.window(i - 1, steps)
             started = clock.step_started()
             with naming_bad_labels(batch, self.metrics):
                 if i % self.log_every == sample_at:
-                    parts = clock.sample_device(lambda: self.train_step(batch, scale, last))
+                    decision = clock.sample_device(lambda: self.micro_batch(batch, scale, last))
                 else:
-                    parts = self.train_step(batch, scale, last)
+                    decision = self.micro_batch(batch, scale, last)
             clock.step_ended(started)
-            self.global_step += int(last)  # counts optimizer steps
-            self.nonfinite.observe(epoch + 1, self.global_step, parts)
-            self.running.add(parts)
-            if i % self.log_every == 0 or i == steps:
-                self.nonfinite.check(lagged=True)
-                self._log(self.running.close_interval(
-                    {"split": "train", "epoch": epoch + 1, "step": self.global_step}))
-            if i in validate_at:
-                self._log(self.running.finish())
+            self.position.step = i
+            profiled = self.profiler.step() or profiled
+            if decision == WAIT:
+                if get_world_size() == 1 and preemption.requested():
+                    self._preempt(epoch)
+                continue
+            if self.global_step % self.log_every == 0 and i < steps:
+                self._log_point(epoch + 1)
+            if -(-i // self.stepping.steps) in validate_at:
                 with clock.aside():
                     self.validate(epoch + 1)
-            if preemption.stop_now(world, self.device):
-                self._preempt(i)
-            stopped = self.profiler.step()
-            if stopped:
+            if self._stop or (get_world_size() == 1 and preemption.requested()):
+                self._preempt(epoch)
+            if profiled:
                 log.info("stopping after the profiled batches (trainer.config.profile."
                          "stop_after)")
                 break
-        self._log(self.running.finish())
+        self._log_point(epoch + 1)
+        self._flush_logs()
         bar.close()
         self._bar = None
-        return stopped
+        if self._stop:
+            self._preempt(epoch)
+        return profiled
 
-    def _start_epoch(self, epoch: int):
-        """Set the epoch's data order and open its batches -> (batches, steps done).
-        A preempted epoch continues after its last step, with that moment's RNG states
-        and unlogged losses; the loader draws its seed from the epoch-start state."""
-        set_epoch(self.train_loader, epoch)
-        mid, self._mid = self._mid, None
-        if mid is not None:
-            set_rng_state(mid["epoch_rng"])
-            skip_batches(self.train_loader, mid["step"])
-        self._epoch_rng = rng_state()
-        batches = iter(self.train_loader)
-        if mid is None:
-            return batches, 0
-        set_rng_state(mid["rng"])
-        self.running.restore(mid["sums"], self.device)
-        return batches, mid["step"]
-
-    def _preempt(self, step: int) -> None:
+    def _preempt(self, epoch: int) -> None:
         """Checkpoint the epoch in progress (every rank takes part) and stop."""
-        self._log(self.running.finish())
-        state = self.state_dict()
-        state["preempted"] = preemption.position(step, self._epoch_rng, *self.running.unlogged())
+        self.check_before_save()
+        state = {**self.state_dict(), **self.mid_epoch.state()}
         path = self.checkpoints.save_preempted(state)
-        log.info("%s", preemption.report(self.epoch + 1, self.global_step, path))
+        log.info("%s", preemption.report(epoch + 1, self.global_step, path))
         raise preemption.Preempted(str(path))
 
     def fit(self) -> dict[str, float] | None:
-        if self._rng is not None:
-            set_rng_state(self._rng)
-            self._rng = None
+        if self._resume_rng is not None:
+            restore_for_rank(*self._resume_rng, get_rank(), get_world_size())
+            self._resume_rng = None
         self.logger.rewind(self.global_step)
         if self.epoch >= self.epochs:
             log.info("nothing to train: %d of %d epochs already done", self.epoch, self.epochs)
@@ -348,3 +320,4 @@ class Trainer:
             lever = clock.lever(report)
             if lever:
                 log.info(lever)
+

@@ -2,28 +2,30 @@
 
 ``stop`` (the default) ends the run at the first non-finite loss with one line
 naming the epoch, the step and the loss term. It never makes the host wait for
-the device: the step's loss tensors are only kept, and at each log point those
-of the interval before are looked at (long finished on the device); before
-every validation all of them are, so nothing trained past a bad step is ever
-saved, as best or as a checkpoint. The last checkpoint stays the one to resume
-from.
+the device: each optimizer step's loss tensors are only kept; at each log point
+a flag for the interval just ended joins the log point's one collective, which
+is read at the next log point (long finished on the device). Before anything
+is saved (a validation's best.tar, an epoch's or a preemption's checkpoint)
+every kept step is looked at, and the weights too, so nothing trained past a bad
+step is ever saved. The last checkpoint stays the one to resume from.
 
-``skip`` leaves out every step whose loss is not finite on some rank (no
-optimizer step) and reports how many it left out. Deciding before the step
-costs one host sync per step (and one all-reduce under DDP), as a GradScaler
-does. Under fp16 the GradScaler skips steps whose gradients overflow; their
-loss is finite, so they are not counted here.
+``skip`` leaves out every optimizer step whose window had a non-finite loss on
+some rank: no optimizer step, the window's losses are left out of the records,
+and it is counted once. Deciding costs one host sync per optimizer step (and one
+all-reduce under DDP), as a GradScaler does. Under fp16 the GradScaler skips
+steps whose gradients overflow; their loss is finite, so they are not counted here.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from echelon3.dist import all_gather_object, all_reduce_sum_, get_rank, get_world_size
 from echelon3.errors import ConfigError, UserError
+from echelon3.trainers.state import own
 
 log = logging.getLogger(__name__)
 
@@ -45,19 +47,22 @@ class NonFiniteGuard:
             raise ConfigError(KEY, "'skip' cannot undo the steps of a closure optimizer "
                               "(SAMOptimizer, LBFGS); use 'stop'")
         self.policy = policy
-        # Steps kept since the last check, and those of the interval before (see check).
+        # Steps kept since the last log point, and those of earlier intervals whose flag
+        # has not been read yet (oldest first).
         self.window: list[tuple[int, int, Mapping[str, torch.Tensor]]] = []
-        self.previous: list[tuple[int, int, Mapping[str, torch.Tensor]]] = []
+        self.unread: list[list[tuple[int, int, Mapping[str, torch.Tensor]]]] = []
         self.skipped = 0  # steps left out in this attempt
         self.skipped_in_epoch = 0
 
     # ------------------------------------------------------------------ skip
 
-    def skip(self, loss: torch.Tensor) -> bool:
-        """Under ``skip``: True when this step's loss is not finite on some rank."""
+    def poisoned(self, losses: Sequence[Mapping[str, torch.Tensor]]) -> bool:
+        """Under ``skip``: whether a window (its micro-batches' losses) had a non-finite
+        loss on some rank; counted once when it had."""
         if self.policy != "skip":
             return False
-        bad = (~torch.isfinite(loss.detach())).float().reshape(1)
+        bad = torch.stack([(~torch.isfinite(p["loss"].detach())).any() for p in losses]).any()
+        bad = bad.float().reshape(1)
         if get_world_size() > 1:
             all_reduce_sum_(bad)
         if bad.item() == 0:
@@ -78,29 +83,40 @@ class NonFiniteGuard:
 
     # ------------------------------------------------------------------ stop
 
-    def observe(self, epoch: int, step: int, parts: Mapping[str, torch.Tensor]) -> None:
-        """Keep the step's loss tensors (no sync) for a later :meth:`check`."""
-        if self.policy == "stop" and parts:
-            self.window.append((epoch, step, parts))
+    def observe(self, epoch: int, step: int,
+                losses: Sequence[Mapping[str, torch.Tensor]]) -> None:
+        """Keep an optimizer step's losses (one mapping per micro-batch; no sync)."""
+        if self.policy == "stop":
+            self.window.extend((epoch, step, parts) for parts in losses)
 
-    def check(self, lagged: bool = False) -> None:
-        """Raise :class:`NonFiniteLoss` if a kept step had a non-finite loss on any rank.
+    def interval_flag(self, device) -> torch.Tensor:
+        """1 when a step kept since the last call had a non-finite loss on this rank, as a
+        device tensor for the log point's collective (read one interval later)."""
+        kept, self.window = self.window, []
+        self.unread.append(kept)
+        if self.policy != "stop" or not kept:
+            return torch.zeros((), device=device)
+        return (~torch.isfinite(_values(kept)[1])).any().float()
 
-        ``lagged``: look only at the steps kept before the previous call, which the device
-        has long finished, so the host never waits (each log point); without it, at every
-        step kept so far (before a validation, which saves)."""
+    def read(self, flag: float) -> None:
+        """The oldest unread interval's flag, summed over ranks, came back: forget its
+        steps when it is 0, else name the first bad step (raises)."""
+        if flag > 0:
+            self.check()
+        elif self.unread:
+            self.unread.pop(0)
+
+    def check(self) -> None:
+        """Raise :class:`NonFiniteLoss` if any kept step had a non-finite loss on any rank
+        (a host sync; before anything is saved)."""
         if self.policy != "stop":
             return
-        if lagged:
-            window, self.previous, self.window = self.previous, self.window, []
-        else:
-            window, self.previous, self.window = self.previous + self.window, [], []
-        if not window:
-            return  # the same on every rank: they all run the same steps
-        names = [n for n in window[0][2] if n != "loss"] + ["loss"]
-        values = torch.stack([torch.stack([p[n].detach().float().reshape(()) for n in names])
-                              for _, _, p in window])
-        bad = ~torch.isfinite(values)
+        window = [step for interval in self.unread for step in interval] + self.window
+        self.unread, self.window = [], []
+        bad = torch.zeros((), dtype=torch.bool)
+        if window:
+            names, values = _values(window)
+            bad = ~torch.isfinite(values)
         flag = bad.any().float().reshape(1)
         if get_world_size() > 1:
             all_reduce_sum_(flag)
@@ -117,3 +133,32 @@ class NonFiniteGuard:
         raise NonFiniteLoss(None, f"non-finite loss at epoch {epoch}, step {step}: loss term "
                             f"'{name}' is {value}{where}; stopped before saving anything "
                             f"from this step on ({KEY}: stop; 'skip' leaves such steps out)")
+
+    def check_before_save(self, params) -> None:
+        """Nothing non-finite is ever saved: the kept losses (above) and the weights."""
+        self.check()
+        flag = torch.stack([(~torch.isfinite(p.detach())).any() for p in params]).any()
+        flag = flag.float().reshape(1)
+        if get_world_size() > 1:
+            all_reduce_sum_(flag)
+        if flag.item() > 0:
+            raise NonFiniteLoss(None, "the weights are not finite (a loss was finite but an "
+                                "update overflowed); refusing to save them. Lower the "
+                                "learning rate or use precision bf16/fp32")
+
+    # ------------------------------------------------------------------ mid-epoch state
+
+    def mid_epoch_state(self) -> dict[str, Any]:
+        return {"skipped": self.skipped, "skipped_in_epoch": self.skipped_in_epoch}
+
+    def load_mid_epoch_state(self, ranks: Sequence[Mapping[str, Any]], rank: int) -> None:
+        saved = own(ranks, rank)
+        self.skipped = int(saved.get("skipped", 0))
+        self.skipped_in_epoch = int(saved.get("skipped_in_epoch", 0))
+
+
+def _values(window) -> tuple[list[str], torch.Tensor]:
+    """(names, [steps x names] values) of kept steps; the total ``loss`` last."""
+    names = [n for n in window[0][2] if n != "loss"] + ["loss"]
+    return names, torch.stack([torch.stack([p[n].detach().float().reshape(()) for n in names])
+                               for _, _, p in window])

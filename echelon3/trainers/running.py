@@ -1,71 +1,60 @@
 """Running means of the train losses between log points, without a host sync per step.
 
-Each step hands over its loss tensors, detached, and nothing else happens. At a
-log point the steps' values are stacked and averaged on the device (under DDP,
-one all-reduce), and the numbers are read one log point later, or at the end of
-the epoch, when the device has long finished them: logging never makes the host
-wait for the device.
+Each micro-batch of a completed optimizer step hands over its loss tensors,
+detached, and nothing else happens. At a log point :meth:`RunningLosses.take`
+averages them on the device; the trainer's log point sums that over the ranks
+in its one collective and reads the numbers one log point later
+(:mod:`echelon3.trainers.logpoint`), when the device has long finished them.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from echelon3.dist import all_reduce_sum_, get_world_size
+from echelon3.dist import get_world_size
+from echelon3.trainers.state import own
 
 
 class RunningLosses:
     """``names``: ``loss`` (the total) and each part; ``same_as_total``: one loss of
     weight 1, whose part is the total itself (one value per step instead of two)."""
 
-    def __init__(self, names: Sequence[str], same_as_total: bool):
-        self.names = list(names)
+    def __init__(self, names: Sequence[str], same_as_total: bool, device=None):
+        self.names, self.device = list(names), device
         self.same_as_total = same_as_total
         self._steps: list[torch.Tensor] = []
-        self._pending: tuple[dict, torch.Tensor] | None = None
 
     def add(self, values: Mapping[str, torch.Tensor]) -> None:
-        """One step's detached losses, by name (none: a step left out)."""
-        if not values:
-            return
+        """One micro-batch's detached losses, by name."""
         if self.same_as_total:
             self._steps.append(values["loss"])
         else:
             self._steps.append(torch.stack([values[name] for name in self.names]))
 
-    def close_interval(self, record: dict) -> dict | None:
-        """Start this interval's mean on the device; return the previous interval's record."""
-        finished = self.finish()
-        if self._steps:
-            means = torch.stack(self._steps).float().mean(0) / get_world_size()
-            all_reduce_sum_(means)
-            self._pending = (record, means)
-            self._steps = []
-        return finished
-
-    def finish(self) -> dict | None:
-        """The record started by the last :meth:`close_interval`, now with its numbers."""
-        if self._pending is None:
+    def take(self) -> torch.Tensor | None:
+        """This rank's share of the interval's means (divided by the world size, so the
+        ranks' sum is the mean), on the device; None when the interval holds nothing."""
+        if not self._steps:
             return None
-        record, means = self._pending
-        self._pending = None
-        values = means.tolist()
-        values = [values] * len(self.names) if self.same_as_total else values
+        means = torch.stack(self._steps).float().mean(0).reshape(-1) / get_world_size()
+        self._steps = []
+        return means
+
+    def fill(self, record: dict, sums: Sequence[float]) -> dict:
+        """``record`` with the names' values from :meth:`take`'s sums over the ranks."""
+        values = list(sums) * len(self.names) if self.same_as_total else list(sums)
         record.update(zip(self.names, values))
         return record
 
-    # ------------------------------------------------------------------ preemption
+    # ------------------------------------------------------------------ mid-epoch state
 
-    def unlogged(self) -> tuple[dict[str, torch.Tensor], int]:
-        """The steps not yet in a record, for a preemption checkpoint: ({"steps": values}, n).
-        The per-step values themselves, so the resumed run's mean is bit-for-bit the same."""
-        if not self._steps:
-            return {}, 0
-        return {"steps": torch.stack(self._steps)}, len(self._steps)
+    def mid_epoch_state(self) -> dict[str, Any]:
+        """The micro-batches not yet in a record, the values themselves, so the resumed
+        run's mean is bit-for-bit the same."""
+        return {"steps": torch.stack(self._steps).cpu()} if self._steps else {}
 
-    def restore(self, saved: Mapping[str, torch.Tensor], device) -> None:
-        """Take back what :meth:`unlogged` gave."""
-        self._pending = None
-        self._steps = list(saved["steps"].to(device).unbind(0)) if "steps" in saved else []
+    def load_mid_epoch_state(self, ranks: Sequence[Mapping[str, Any]], rank: int) -> None:
+        saved = own(ranks, rank)
+        self._steps = list(saved["steps"].to(self.device).unbind(0)) if "steps" in saved else []

@@ -1,0 +1,86 @@
+"""Validation during training: which sets and metrics, keep-best, ``best.tar``.
+
+Validation runs on every rank over its shard, through the network without its
+DDP wrapper (:func:`echelon3.validation.evaluate_sets`, the numbers ``evaluate``
+computes); metrics reduce across ranks, so keep-best decides the same on every
+rank. Only rank 0 writes (checkpoint manager and logger enforce that).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+from torch.nn.parallel import DistributedDataParallel
+
+from echelon3.errors import ConfigError
+from echelon3.trainers.selection import KeepBest
+from echelon3.validation import evaluate_sets, metric_name
+
+log = logging.getLogger(__name__)
+
+# Keys of every history record; a loss or metric of that name would overwrite one.
+RESERVED = ("split", "epoch", "step", "lr")
+
+
+def _check_names(losses: Mapping, metrics: Mapping) -> None:
+    taken = (*RESERVED, "loss")
+    for section, names in (("loss", losses), ("metrics", metrics)):
+        for name in names:
+            if name in taken or "/" in name:
+                raise ConfigError(f"{section}.{name}", "this name is taken by the history "
+                                  f"records ({', '.join(taken)}) or contains '/'; rename it")
+
+
+class Validation:
+    """Mixed into the trainer, which provides the network, loaders, metrics, logger,
+    checkpoints and :meth:`check_before_save`."""
+
+    def setup_validation(self, metrics_on: str | Sequence[str] | None, keep_best_on: Any,
+                         high_is_better: bool, progress_bar: bool) -> None:
+        from echelon3.dist import is_main
+
+        self.progress_bar = progress_bar and is_main()
+        sets = [metrics_on] if isinstance(metrics_on, str) else list(metrics_on
+                                                                    or self.test_loaders)
+        unknown = [s for s in sets if s not in self.test_loaders]
+        if unknown:
+            raise ConfigError("trainer.config.metrics_on", f"unknown test set '{unknown[0]}'; "
+                              f"known: {', '.join(self.test_loaders)}")
+        self.metric_sets = sets
+        _check_names(self.losses, self.metrics)
+        self.keep_best = KeepBest(keep_best_on, high_is_better, self.metric_names(),
+                                  sets[0] if self.named_sets else None)
+        self.best_metrics: dict[str, float] | None = None
+        self.last_metrics: dict[str, float] = {}
+
+    def metric_names(self) -> list[str]:
+        names = [metric_name(s, "loss", self.named_sets) for s in self.test_loaders]
+        names += [metric_name(s, m, self.named_sets) for s in self.metric_sets
+                  for m in self.metrics]
+        return names
+
+    def evaluate(self) -> dict[str, float]:
+        """Validation through the network without its DDP wrapper, every rank on its shard."""
+        net = self.net.module if isinstance(self.net, DistributedDataParallel) else self.net
+        return evaluate_sets(net, self.test_loaders, self.metrics, precision=self.precision,
+                             device=self.device, losses=self.losses, named_sets=self.named_sets,
+                             metric_sets=self.metric_sets, float_labels=self.float_labels,
+                             progress=self.progress_bar)
+
+    def validate(self, epoch: int, save_best: bool = True) -> bool:
+        """Validate during ``epoch`` (1-based, the epoch in progress or just finished);
+        True when keep-best took this result (saved as best.tar if ``save_best``)."""
+        self.check_before_save()
+        metrics = self.evaluate()
+        self.last_metrics = metrics
+        best = self.keep_best.is_better(metrics, self.best_metrics)
+        if best:
+            self.best_metrics = dict(metrics)
+        self.logger.log({"split": "val", "epoch": epoch, "step": self.global_step, **metrics})
+        summary = " | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        log.info("epoch %d step %d | %s%s", epoch, self.global_step, summary,
+                 " | new best" if best else "")
+        if best and save_best:
+            self.checkpoints.save_best(self.state_dict())
+        return best

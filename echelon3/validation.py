@@ -1,0 +1,63 @@
+"""Validation and evaluation compute the same numbers: :func:`evaluate_sets`.
+
+The trainer validates through it and ``echelon3 evaluate`` scores a checkpoint
+through it. Under DDP every rank runs its own shard (no sample counted twice)
+and metrics reduce across ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+from tqdm import tqdm  # not tqdm.auto: its asyncio variant opens every loader twice
+
+from echelon3.batches import match_target, split_batch, to_device, weighted_loss
+from echelon3.dist import all_reduce_sum_, is_main
+from echelon3.samples import naming_bad_labels
+
+
+def metric_name(test_set: str, metric: str, named_sets: bool) -> str:
+    return f"{test_set}/{metric}" if named_sets else metric
+
+
+@torch.no_grad()
+def evaluate_sets(net, loaders: Mapping, metrics: Mapping, *, precision, device,
+                  losses: Mapping | None = None, named_sets: bool = False,
+                  metric_sets: Sequence[str] | None = None, float_labels: bool = False,
+                  progress: bool = True) -> dict[str, float]:
+    """Loss (when losses are given) and metrics per test set, identical on every rank."""
+    from echelon3.metrics.base import reduce_and_compute
+
+    metric_sets = list(loaders) if metric_sets is None else metric_sets
+    was_training = net.training
+    net.eval()
+    results: dict[str, float] = {}
+    for set_name, loader in loaders.items():
+        with_metrics = set_name in metric_sets
+        for metric in metrics.values():
+            metric.reset()
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
+        for batch in tqdm(loader, desc=f"evaluate {set_name}", leave=False,
+                          disable=None if progress and is_main() else True):
+            with naming_bad_labels(batch, metrics):
+                inputs, target = to_device(split_batch(batch), device)
+                with precision.autocast():
+                    pred = net(inputs)
+                    if losses:
+                        total, _ = weighted_loss(losses, pred, target, float_labels)
+                        loss_sum[0] += total.double() * len(target)
+                loss_sum[1] += len(target)
+                if with_metrics:
+                    pred, target = match_target(pred.float(), target, float_labels)
+                    for metric in metrics.values():
+                        metric.update(pred, target)
+        if losses:
+            all_reduce_sum_(loss_sum)
+            results[metric_name(set_name, "loss", named_sets)] = (
+                loss_sum[0] / loss_sum[1].clamp(min=1)).item()
+        if with_metrics:
+            for name, metric in metrics.items():
+                results[metric_name(set_name, name, named_sets)] = reduce_and_compute(metric)
+    net.train(was_training)
+    return results

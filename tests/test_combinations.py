@@ -1,0 +1,146 @@
+"""Where the trainer's features meet: precision x grad_accum_steps x nan_policy (with a
+planted NaN) x interruption x loader workers x ranks. Each combination, interrupted and
+resumed, must end exactly as the uninterrupted run: the same exit code, the same epoch
+checkpoints, their weights, optimizer state and GradScaler state bit for bit, and the same
+history. (Nothing here changes a reduction order: a mid-window checkpoint carries each
+rank's own gradients, the running losses carry their per-step values.)
+
+The default run covers the matrix pairwise (every pair of values of any two factors
+appears); ``pytest -m slow tests/test_combinations.py`` (or tools/run_slow_tests.sh) runs
+the whole product. Refused at start, with one line: nothing in this matrix (a closure
+optimizer with grad_accum_steps > 1 or nan_policy skip is, see tests/test_accumulation.py
+and tests/test_trainer_meets.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from echelon3 import preemption
+from tests.conftest import run_cli
+from tests.helpers import echelon3, load, same_nested, write_config
+
+EPOCHS = 2
+STEPS = 6  # micro-batches per epoch: 48 samples, global batch 8
+SIGNAL_AT = STEPS + 2  # epoch 2, micro-batch 2: inside a window of 3
+NAN_AT = {"skip": 4, "stop": STEPS + 4}  # stop: after the interruption, so both happen
+RESUBMIT, KILLED = 75, (-9, 1)  # one process dies of SIGKILL; the launcher reports 1
+
+
+def config(folder: Path, precision: str, accum: int, nan: str, workers: int,
+           persistent: bool) -> None:
+    loader = {"batch_size": 8, "shuffle": True, "drop_last": True, "num_workers": workers}
+    if workers:
+        loader["persistent_workers"] = persistent
+    write_config(folder, {
+        "net": {"module": "tests.combo", "type": "ComboNet", "config": {"hidden": 16}},
+        "data": {"train": {"module": "tests.combo", "type": "NoisyBlobs",
+                           "config": {"size": 48}},
+                 "test": {"module": "tests.combo", "type": "NoisyBlobs",
+                          "config": {"size": 24, "seed": 1}}},
+        "dataloaders": {"train": {"config": loader}},
+        "metrics": [{"accuracy": {"module": "torchmetrics.classification",
+                                  "type": "MulticlassAccuracy",
+                                  "config": {"num_classes": 3, "average": "micro"}}}],
+        "optimizer": {"config": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}},
+        "trainer": {"config": {"epochs": EPOCHS, "precision": precision,
+                               "grad_accum_steps": accum, "nan_policy": nan,
+                               "log_every_n_steps": 2}},
+    }, remove=("net", "data"))
+
+
+def train(folder: Path, ranks: int, env: dict) -> int:
+    """One attempt: in this process where it can be (one rank, no SIGKILL), else the CLI."""
+    if ranks == 1 and env.get("COMBO_SIGNAL") != "KILL":
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        preemption.reset()
+        try:
+            return echelon3("train", folder)
+        finally:
+            for key, value in saved.items():
+                os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+    args = ["train", "-cd", str(folder), "-cn", "run", *(["nproc=2"] if ranks > 1 else [])]
+    result = run_cli(args, env=env, timeout=240)
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    return result.returncode
+
+
+def outcome(out: Path) -> dict:
+    names = sorted(p.name for p in out.glob("checkpoint-*.tar") if "-step" not in p.name)
+    states = {name: load(out / name) for name in names}
+    records = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    return {
+        "checkpoints": names,
+        "weights": {n: s["model_state_dict"] for n, s in states.items()},
+        "optimizer": {n: s["optimizer_state_dict"] for n, s in states.items()},
+        "scaler": {n: s["scaler_state_dict"] for n, s in states.items()},
+        "steps": {n: s["global_step"] for n, s in states.items()},
+        "history": [r for r in records if r["split"] != "time"],
+    }
+
+
+def run_combination(tmp: Path, precision, accum, nan, interrupt, workers, ranks) -> None:
+    persistent = accum == 3  # persistent workers in half of the worker runs
+    env = {"COMBO_NAN_AT": str(NAN_AT[nan]), "COMBO_SIGNAL_AT": "0"}
+    straight, cut = tmp / "straight", tmp / "cut"
+    for folder in (straight, cut):
+        config(folder, precision, accum, nan, workers, persistent)
+    expected = 2 if nan == "stop" else 0  # the planted NaN stops the run, or is skipped
+    assert train(straight, ranks, env) == expected
+    signal_env = {**env, "COMBO_SIGNAL_AT": str(SIGNAL_AT), "COMBO_SIGNAL": interrupt.upper(),
+                  "COMBO_MARKER": str(tmp / "signalled")}
+    first = train(cut, ranks, signal_env)
+    assert (tmp / "signalled").exists()
+    if interrupt == "usr1":
+        assert first == RESUBMIT
+        assert list((cut / "out").glob("checkpoint-1-step*.tar"))
+    else:
+        assert first in KILLED
+    assert train(cut, ranks, signal_env) == expected
+    a, b = outcome(straight / "out"), outcome(cut / "out")
+    assert a["checkpoints"] == b["checkpoints"] == [f"checkpoint-{e}.tar" for e in
+                                                   range(1, EPOCHS + (expected == 0))]
+    for key in ("steps", "weights", "optimizer", "scaler"):
+        assert same_nested(a[key], b[key]), key
+    assert a["history"] == b["history"]
+    train_steps = [r["step"] for r in a["history"] if r["split"] == "train"]
+    assert train_steps == sorted(set(train_steps))  # one record per step, increasing
+
+
+FACTORS = {"precision": ("fp32", "bf16", "fp16"), "accum": (1, 3), "nan": ("stop", "skip"),
+           "interrupt": ("usr1", "kill"), "workers": (0, 2), "ranks": (1, 2)}
+# Every pair of values of any two factors appears in one of these rows.
+PAIRWISE = [
+    ("fp32", 1, "stop", "usr1", 0, 1),
+    ("fp32", 3, "skip", "kill", 2, 2),
+    ("bf16", 1, "skip", "kill", 0, 2),
+    ("bf16", 3, "stop", "usr1", 2, 1),
+    ("fp16", 1, "stop", "kill", 2, 2),
+    ("fp16", 3, "skip", "kill", 0, 1),
+    ("fp16", 3, "skip", "usr1", 2, 2),
+]
+FULL = [row for row in itertools.product(*FACTORS.values()) if row not in PAIRWISE]
+
+
+def test_the_pairwise_rows_cover_every_pair():
+    names = list(FACTORS)
+    for i, j in itertools.combinations(range(len(names)), 2):
+        needed = set(itertools.product(FACTORS[names[i]], FACTORS[names[j]]))
+        assert needed <= {(row[i], row[j]) for row in PAIRWISE}, (names[i], names[j])
+
+
+@pytest.mark.parametrize("row", PAIRWISE, ids=lambda r: "-".join(map(str, r)))
+def test_interrupted_and_resumed_equals_the_straight_run(tmp_path, row, own_handlers):
+    run_combination(tmp_path, *row)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", FULL, ids=lambda r: "-".join(map(str, r)))
+def test_every_combination(tmp_path, row, own_handlers):
+    run_combination(tmp_path, *row)
