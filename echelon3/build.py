@@ -219,25 +219,43 @@ def build_net(cfg, config_dir: Path | None = None):
     return net
 
 
+def _dataset_sets(node, key: str, config_dir: Path | None):
+    """One dataset (``{key: set}``, not named) or named sets -> ({name: set}, named?)."""
+    if is_spec(node):
+        return {key.rsplit(".", 1)[-1]: instantiate(node, key, config_dir)}, False
+    if not isinstance(node, Mapping | DictConfig | list | ListConfig):
+        raise BuildError(key, f"must be a dataset (module, type, config) or named sets, "
+                         f"got {node!r}")
+    sets = {name: instantiate(spec, f"{key}.{name}", config_dir)
+            for name, spec in named_items(node, key)}
+    if not sets:
+        raise BuildError(key, "no data set configured")
+    return sets, True
+
+
 def build_datasets(cfg, config_dir: Path | None = None, train: bool = True):
-    """``data``: train set (if asked) and test sets -> (train, {name: set}, named?)."""
+    """``data``, for training: (train set, validation sets, named?); with ``train=False``:
+    (None, test sets, named?). Validation sets are ``data.val``, else what
+    ``data.val_split`` carves from the train set, else ``data.test`` (:mod:`echelon3.splits`)."""
+    from echelon3 import splits
+
     data = cfg.data
-    train_set = None
     if train:
         if data.get("train") is None:
             raise BuildError("data.train", "required section missing for 'train'")
         train_set = instantiate(data.train, "data.train", config_dir)
+        if data.get("val") is not None:
+            if data.get("val_split") is not None:
+                raise BuildError("data.val_split", "give data.val or data.val_split, not both")
+            return (train_set, *_dataset_sets(data.val, "data.val", config_dir))
+        if data.get("val_split") is not None:
+            train_set, val_set = splits.carve(train_set, data.val_split, int(cfg.get("seed", 0)))
+            return train_set, {splits.VAL: val_set}, False
     test = data.get("test")
     if test is None:
-        raise BuildError("data.test", "required section missing (validation and evaluation "
-                         "need a test set)")
-    if is_spec(test):
-        return train_set, {"test": instantiate(test, "data.test", config_dir)}, False
-    tests = {name: instantiate(spec, f"data.test.{name}", config_dir)
-             for name, spec in named_items(test, "data.test")}
-    if not tests:
-        raise BuildError("data.test", "no test set configured")
-    return train_set, tests, True
+        raise BuildError("data.test", "required section missing (evaluation needs a test set, "
+                         "and validation too unless data.val or data.val_split is given)")
+    return (train_set if train else None, *_dataset_sets(test, "data.test", config_dir))
 
 
 def build_losses(cfg, config_dir: Path | None = None, required: bool = True, device=None):

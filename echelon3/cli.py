@@ -121,7 +121,10 @@ def _execute(args) -> None:
     task_module = importlib.import_module(module)
     task = getattr(task_module, function)
     # trainer.config keys the task reads itself instead of passing them to the Trainer
-    consumed = {"trainer": tuple(getattr(task_module, "RUNTIME_KEYS", ()))}
+    # (finetune is train from other weights: the same keys)
+    reader = importlib.import_module("echelon3.train") if args.command == "finetune" \
+        else task_module
+    consumed = {"trainer": tuple(getattr(reader, "RUNTIME_KEYS", ()))}
 
     held = contextlib.ExitStack()  # target.path's lock, claimed once the checks pass
 

@@ -25,6 +25,9 @@ class Evaluator:
     ``output``: the JSON file (default ``<target.path>/metrics.json``);
     ``metrics_on``: named test sets to compute metrics on (default all);
     ``float_labels``: cast labels to float (default: ``trainer.config.float_labels``).
+
+    The JSON holds the metrics and ``selected_on``: the data whose validation chose the
+    checkpoint (``val``, or ``test`` when the test set chose it too), as its run recorded.
     """
 
     def __init__(self, path: str, checkpoint: str | None = None, output: str | None = None,
@@ -36,16 +39,32 @@ class Evaluator:
         self.metrics_on = [metrics_on] if isinstance(metrics_on, str) else metrics_on
         self.float_labels = float_labels
 
+    def selected_on(self) -> str:
+        """``val`` or ``test``: what the evaluated checkpoint records (older ones: ``test``)."""
+        import torch
+
+        from echelon3.checkpoint import CheckpointManager
+        from echelon3.splits import TEST
+
+        path = CheckpointManager(self.path).for_inference(self.checkpoint)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return str(state.get("selected_on") or TEST)
+
     def __call__(self, *, net, test_loaders, metrics, losses, precision, device,
                  named_sets) -> dict[str, float]:
+        from echelon3.splits import describe
+
         results = evaluate_sets(net, test_loaders, metrics, precision=precision, device=device,
                                 losses=losses, named_sets=named_sets,
                                 metric_sets=self.metrics_on, float_labels=self.float_labels)
         if is_main():
-            atomic_write_text(self.output, json.dumps(results, indent=2, sort_keys=True) + "\n")
+            selected = self.selected_on()
+            atomic_write_text(self.output, json.dumps({**results, "selected_on": selected},
+                                                      indent=2, sort_keys=True) + "\n")
             width = max((len(k) for k in results), default=6)
             table = "\n".join(f"  {k:<{width}}  {v:.4f}" for k, v in results.items())
-            log.info("metrics (written to %s):\n%s", self.output, table)
+            log.info("test metrics, checkpoint %s (written to %s):\n%s", describe(selected),
+                     self.output, table)
         return results
 
 

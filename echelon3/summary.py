@@ -20,6 +20,7 @@ import torch
 
 from echelon3.checkpoint import BEST, KEPT_BEST, atomic_write_text
 from echelon3.dist import is_main
+from echelon3.splits import TEST, describe
 
 log = logging.getLogger(__name__)
 
@@ -34,23 +35,39 @@ def _natural(name: str) -> list:
 
 
 def best_checkpoint(folder: Path) -> dict | None:
-    """Epoch, step and metrics of ``best.tar``, its tensors memory-mapped, not read."""
+    """Epoch, step, metrics of ``best.tar`` and the data that chose it (``val`` or ``test``;
+    checkpoints that do not say were chosen on the test set), tensors memory-mapped."""
     path = folder / KEPT_BEST if (folder / KEPT_BEST).exists() else folder / BEST
     if not path.exists():
         return None
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     return {"epoch": int(state["epoch"]), "step": int(state["global_step"]),
-            "metrics": {k: float(v) for k, v in (state.get("metrics") or {}).items()}}
+            "metrics": {k: float(v) for k, v in (state.get("metrics") or {}).items()},
+            "selected_on": str(state.get("selected_on") or TEST)}
 
 
-def finish(folder: Path, epochs: int, started: float) -> dict | None:
-    """Write ``summary.json`` and log the closing block (rank 0); the summary."""
+def trained_line(epochs: int, before: int, elapsed: float) -> str:
+    """What this attempt trained: ``trained 10 epochs in 2.8 s``, ``trained epochs 11-20
+    (resumed after epoch 10) in ...``, or that nothing was left to train."""
+    if epochs <= before:
+        return (f"nothing trained: {before} epochs were already done (raise "
+                f"trainer.config.epochs to train more)")
+    if before == 0:
+        return f"trained {epochs} epoch{'s' if epochs != 1 else ''} in {elapsed:.1f} s"
+    which = f"epoch {epochs}" if epochs == before + 1 else f"epochs {before + 1}-{epochs}"
+    return f"trained {which} (resumed after epoch {before}) in {elapsed:.1f} s"
+
+
+def finish(folder: Path, epochs: int, started: float, before: int = 0) -> dict | None:
+    """Write ``summary.json`` and log the closing block (rank 0); the summary.
+    ``epochs``: done in all; ``before``: done before this attempt."""
     if not is_main():
         return None
     best = best_checkpoint(folder)
     files = {p.name + ("/" if p.is_dir() else "") for p in folder.iterdir()
              if not p.name.startswith(".")} | {SUMMARY}
-    summary = {"epochs": epochs, "best": best, "elapsed_s": round(time.time() - started, 1),
+    summary = {"epochs": epochs, "epochs_trained": max(epochs - before, 0), "best": best,
+               "elapsed_s": round(time.time() - started, 1),
                "files": sorted(files, key=_natural),
                "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     atomic_write_text(folder / SUMMARY, json.dumps(summary, indent=2) + "\n")
@@ -58,9 +75,10 @@ def finish(folder: Path, epochs: int, started: float) -> dict | None:
         best_line = "no validation result"
     else:
         scores = " | ".join(f"{k} {v:.4f}" for k, v in best["metrics"].items())
-        best_line = f"epoch {best['epoch']} (step {best['step']}): {scores}"
-    log.info("finished %d epochs in %.1f s\n  best     %s\n  written  %s%s: %s",
-             epochs, summary["elapsed_s"], best_line, folder, os.sep,
+        best_line = (f"epoch {best['epoch']} (step {best['step']}, "
+                     f"{describe(best['selected_on'])}): {scores}")
+    log.info("%s\n  best     %s\n  written  %s%s: %s",
+             trained_line(epochs, before, summary["elapsed_s"]), best_line, folder, os.sep,
              ", ".join(summary["files"]))
     return summary
 

@@ -7,6 +7,13 @@ made it, ignoring keys that may change between attempts (epochs, devices,
 loader workers, logging); if the fingerprint differs, root ``on_config_change``
 decides: ``error`` (default) stops with exit 2, ``restart`` moves the old
 files aside into ``superseded-<time>/`` and starts over, ``resume`` continues anyway.
+A checkpoint also records the ``epochs`` it was trained for: another number on
+resume is refused while the scheduler has a length (:mod:`echelon3.extension`).
+
+The data is built first (:mod:`echelon3.train_data`), so a run whose epochs would
+make no optimizer step stops before it writes anything; the trainer validates on
+``data.val`` (or ``data.val_split``), else on ``data.test``, and each checkpoint
+records which (``selected_on``).
 """
 
 from __future__ import annotations
@@ -21,27 +28,28 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from echelon3 import __version__, build, preemption
+from echelon3 import __version__, build, preemption, splits
 from echelon3 import lock as run_lock
 from echelon3.checkpoint import (BEST, KEPT_BEST, CheckpointManager, atomic_write_text,
                                  load_weights)
 from echelon3.config import RunConfig, changed_keys, require
-from echelon3.data import create_dataloaders
 from echelon3.ddp import DDP_KEYS, check_settings, wrap
 from echelon3.dist import is_main
 from echelon3.errors import CheckpointError, ConfigError
+from echelon3.extension import check_extend, check_extension, planned_epochs
 from echelon3.finetune import WarmStart, scale_group_lrs
 from echelon3.mlops import NoOpLogger
 from echelon3.precision import Precision
 from echelon3.summary import SUMMARY, finish, forget_unfinished
 from echelon3.optimizers.closure import is_closure_optimizer
 from echelon3.rng import seed_everything
+from echelon3.train_data import train_loaders
 
 log = logging.getLogger(__name__)
 
 # trainer.config keys used to set the run up rather than by the loop itself.
 RUNTIME_KEYS = {"precision": None, "tf32": True, "cudnn_benchmark": True, "compile": False,
-                "compile_mode": None, **DDP_KEYS}
+                "compile_mode": None, **DDP_KEYS, "extend": None}
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune",
                  "max-autotune-no-cudagraphs")
 # Keys that may differ between attempts of the same run without making it another run.
@@ -50,6 +58,7 @@ VOLATILE = ("device", "gpus", "nproc", "device_ids", "mlops", "evaluator", "runn
             "trainer.config.tf32", "trainer.config.cudnn_benchmark", "trainer.config.compile",
             "trainer.config.compile_mode", "trainer.config.log_every_n_steps",
             "trainer.config.progress_bar", "trainer.config.nan_policy", "trainer.config.profile",
+            "trainer.config.extend",
             "target.path", "target.checkpoints_to_keep", "export")
 _LOADER_VOLATILE = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
 ON_CHANGE = ("error", "restart", "resume")
@@ -66,6 +75,7 @@ def runtime_settings(cfg) -> dict:
         if not isinstance(settings[key], bool):
             raise ConfigError(f"trainer.config.{key}", f"must be true or false, got "
                               f"{settings[key]!r}")
+    check_extend(settings["extend"])
     check_settings(settings)
     return settings
 
@@ -153,6 +163,8 @@ def write_run_config(cfg, path: Path) -> None:
 
 
 def assemble_and_fit(rc: RunConfig, device, launcher):
+    """Build the run, resume it if ``target.path`` allows, fit; (trainer, epochs done
+    before this attempt)."""
     cfg = rc.cfg
     require(cfg, "net", "data", "dataloaders", "loss", "optimizer", "trainer", "target",
             task="train")
@@ -166,17 +178,19 @@ def assemble_and_fit(rc: RunConfig, device, launcher):
     net = build.build_net(cfg, rc.config_dir)
     params = warm.apply(net)  # frozen parameters: out of the optimizer and of DDP
     warm.record(cfg)  # the source weights' hash joins the run's identity
+    # The data before any file is touched: a run that cannot train stops here.
+    train_set, val_sets, named = build.build_datasets(cfg, rc.config_dir)
+    train_loader, val_loaders = train_loaders(
+        cfg, train_set, val_sets, named, rank=launcher.rank, world_size=launcher.world_size,
+        seed=seed, config_dir=rc.config_dir)
     fp = fingerprint(cfg)
     path, state = find_resume_state(cfg, checkpoints, fp) or (None, None)
     if state is not None:
+        check_extension(cfg, state, settings["extend"])
         load_weights(net, state, path)
     else:
         warm.load(net)
     net.to(device)
-    train_set, tests, named = build.build_datasets(cfg, rc.config_dir)
-    train_loader, test_loaders = create_dataloaders(
-        cfg.dataloaders, train_set, tests, rank=launcher.rank, world_size=launcher.world_size,
-        seed=seed, config_dir=rc.config_dir)
     losses = build.build_losses(cfg, rc.config_dir, device=device)
     metrics = build.build_metrics(cfg, rc.config_dir, device=device)
     optimizer = build.build_optimizer(cfg, params, rc.config_dir)
@@ -198,18 +212,27 @@ def assemble_and_fit(rc: RunConfig, device, launcher):
     write_run_config(cfg, checkpoints.path)
     logger = build.build_mlops(cfg, str(checkpoints.path), rc.config_dir) if is_main() \
         else NoOpLogger()
+    # The trainer validates on the validation sets (data.val, data.val_split, else data.test).
     trainer = build.build_trainer(
         cfg, rc.config_dir, runtime_keys=RUNTIME_KEYS, net=model, losses=losses,
         optimizer=optimizer, scheduler=scheduler, train_loader=train_loader,
-        test_loaders=test_loaders, metrics=metrics, checkpoints=checkpoints, logger=logger,
+        test_loaders=val_loaders, metrics=metrics, checkpoints=checkpoints, logger=logger,
         precision=precision, device=device, named_sets=named, resume_state=state,
-        extra_state={"config_fingerprint": fp, "run_identity": json.dumps(
-            identity(OmegaConf.to_container(cfg, resolve=True)), default=str)})
+        extra_state=run_record(cfg, fp))
     try:
         trainer.fit()
     finally:
         logger.close()
-    return trainer
+    return trainer, int(state["epoch"]) if state is not None else 0
+
+
+def run_record(cfg, fp: str) -> dict:
+    """What every checkpoint of this attempt records about the run besides its state."""
+    return {"config_fingerprint": fp,
+            "run_identity": json.dumps(identity(OmegaConf.to_container(cfg, resolve=True)),
+                                       default=str),
+            "epochs": planned_epochs(cfg),  # compared on resume (echelon3.extension)
+            "selected_on": splits.selected_on(cfg.data)}
 
 
 def train(rc: RunConfig, device, launcher) -> None:
@@ -223,8 +246,8 @@ def _train(rc: RunConfig, device, launcher) -> None:
     started = time.time()
     folder = build.build_target(rc.cfg, rc.config_dir).path
     try:
-        trainer = assemble_and_fit(rc, device, launcher)
+        trainer, before = assemble_and_fit(rc, device, launcher)
     except BaseException:
         forget_unfinished(folder, started)
         raise
-    finish(folder, getattr(trainer, "epoch", 0), started)
+    finish(folder, getattr(trainer, "epoch", 0), started, before=before)

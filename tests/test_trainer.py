@@ -121,6 +121,7 @@ def test_float_labels_and_a_single_output_train_with_bce(tmp_path):
     assert echelon3("evaluate", tmp_path) == 0
     metrics = json.loads((target(tmp_path) / "metrics.json").read_text())
     best = max(val, key=lambda r: r["accuracy"])
+    assert metrics.pop("selected_on") == "test"  # no validation data: the test set chose
     assert metrics == {"loss": pytest.approx(best["loss"]),
                        "accuracy": pytest.approx(best["accuracy"])}
 

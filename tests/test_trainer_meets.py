@@ -134,8 +134,8 @@ def test_5_a_sample_is_the_same_whichever_worker_loads_it():
                                               multiprocessing_context="fork")
         return torch.cat([x for x, _ in batches])
 
-    two, three = load_all(2), load_all(3)
-    assert torch.equal(two, three)
+    two, one = load_all(2), load_all(1)  # batches alternate between 2 workers, or not
+    assert torch.equal(two, one)
     seeded.epoch.fill_(4)
     assert not torch.equal(load_all(2), two)  # another epoch, other draws
 

@@ -120,7 +120,7 @@ def test_every_output_is_made(slurm_run):
     assert (wf / "results/plots/metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with open(wf / "results/leaderboard.csv") as f:
         assert {row["experiment"] for row in csv.DictReader(f)} == set(EXPERIMENTS)
-    assert "Ranked by `accuracy`" in (wf / "results/leaderboard.md").read_text()
+    assert "Ranked by `test accuracy`" in (wf / "results/leaderboard.md").read_text()
 
 
 def test_each_job_got_the_resources_its_experiment_asked_for(slurm_run, slurm_cluster):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import tomllib
+import warnings
 
 import matplotlib
 import pandas as pd
@@ -29,13 +30,62 @@ def test_leaderboard_ranking_options(tmp_path):
         files[-1].write_text(json.dumps(metrics))
     # null ranks by the first metric every experiment reports
     table, metric, columns = report.leaderboard(experiments, files, None, True)
-    assert metric == "acc" and columns == ["err", "acc"]
+    assert metric == "test acc" and columns == ["test err", "test acc"]
     assert list(table["experiment"]) == ["b", "c", "a"] and list(table["rank"]) == [1, 2, 3]
     table, _, _ = report.leaderboard(experiments, files, "err", False)
     assert list(table["experiment"]) == ["b", "a", "c"]  # lowest first, missing last
     assert list(table["overrides"]) == ["", "k=1", ""]
     with pytest.raises(ValueError, match="leaderboard.metric: 'f1' is in no metrics.json"):
         report.leaderboard(experiments, files, "f1", True)
+
+
+def test_leaderboard_keeps_the_selection_score_and_the_test_score_apart(tmp_path):
+    """`val <metric>` is best.tar's score on the data that chose it (summary.json), empty
+    for a run the test set chose; `test <metric>` is metrics.json; every table says which
+    runs were selected on the test set, and float32 noise is rounded away."""
+    experiments = {"on_val": {"config": "x", "overrides": []},
+                   "on_test": {"config": "y", "overrides": []}}
+    runs = {"on_val": ({"accuracy": 0.97, "loss": 0.1, "selected_on": "val"},
+                       {"best": {"epoch": 3, "metrics": {"accuracy": 0.99, "loss": 0.05},
+                                 "selected_on": "val"}}),
+            "on_test": ({"accuracy": 1.0000001192092896, "loss": 0.2, "selected_on": "test"},
+                        {"best": {"epoch": 2, "metrics": {"accuracy": 1.0, "loss": 0.2},
+                                  "selected_on": "test"}})}
+    metric_files, summary_files = [], []
+    for name, (metrics, summary) in runs.items():
+        metric_files.append(tmp_path / f"{name}.metrics.json")
+        metric_files[-1].write_text(json.dumps(metrics))
+        summary_files.append(tmp_path / f"{name}.summary.json")
+        summary_files[-1].write_text(json.dumps(summary))
+    table, ranking, columns = report.leaderboard(experiments, metric_files, "accuracy", True,
+                                                 summary_files)
+    assert ranking == "test accuracy" and columns == ["test accuracy", "test loss"]
+    assert list(table.columns) == ["rank", "experiment", "config", "overrides", "selected_on",
+                                   "val accuracy", "test accuracy", "test loss"]
+    rows = table.set_index("experiment")
+    assert rows.loc["on_val", "val accuracy"] == 0.99  # summary.json, not metrics.json
+    assert rows.loc["on_val", "test accuracy"] == 0.97
+    assert pd.isna(rows.loc["on_test", "val accuracy"])  # no validation data: no val score
+    assert list(rows["selected_on"]) == ["test", "val"]  # ranked by the test score
+    shown = report.rounded(table, report.TABLE_DECIMALS)
+    md = report.markdown(shown, ranking, True)
+    assert "Selected on the test set (no validation data" in md and "on_test." in md
+    assert "1.0000" in md and "1.0000001" not in md
+    page = report.html_table(shown, ranking, True)
+    assert "Selected on the test set" in page and "1.0000001" not in page
+    csv_file = tmp_path / "leaderboard.csv"
+    report.rounded(table, report.CSV_DECIMALS).to_csv(csv_file, index=False)
+    assert "1.0000001" not in csv_file.read_text()
+    assert pd.read_csv(csv_file)["test accuracy"].tolist() == [1.0, 0.97]
+
+
+def test_metrics_json_may_say_what_selected_its_checkpoint_and_nothing_else(tmp_path):
+    path = tmp_path / "metrics.json"
+    path.write_text(json.dumps({"accuracy": 0.9, "selected_on": "val"}))
+    assert report.read_metrics(path) == ({"accuracy": 0.9}, "val")
+    path.write_text(json.dumps({"accuracy": 0.9, "selected_on": "train"}))
+    with pytest.raises(ValueError, match="selected_on must be 'val' or 'test'"):
+        report.read_metrics(path)
 
 
 def history(epochs=5, steps=4):
@@ -64,6 +114,39 @@ def test_learning_curves_put_losses_and_metrics_on_labelled_axes_and_mark_the_be
     accuracy, f1 = (next(line for line in metric_ax.lines if line.get_label() == k)
                     for k in ("accuracy", "macro_f1"))
     assert accuracy.get_marker() != f1.get_marker()  # one does not hide the other
+    assert "lower is better" in loss_ax.get_title()
+    assert metric_ax.get_title() == "validation metrics"
+
+
+def test_curves_of_a_run_selected_on_the_test_set_say_test():
+    fig = report_plots.draw_curves("exp", history(), best_epoch=4, selected_on="test")
+    loss_ax, metric_ax = fig.axes
+    labels = {line.get_label() for line in loss_ax.lines}
+    assert "test loss" in labels and "validation loss" not in labels
+    assert "the test set chose best.tar" in metric_ax.get_title()
+
+
+def test_a_fine_tuned_run_continues_its_parents_curve():
+    """The child (2 epochs) starts from the parent's best.tar (epoch 4 of 5): its points
+    sit at epochs 5 and 6 after the parent's first 4, and a flat pair of values keeps
+    an honest axis with the numbers written beside the points."""
+    child = [{"split": "val", "epoch": e, "step": e, "loss": 0.1, "accuracy": 0.98 + e * 1e-5}
+             for e in (1, 2)]
+    fig = report_plots.draw_curves("ft", child, best_epoch=2,
+                                   parent=("base", history(), {"epoch": 4}))
+    loss_ax, metric_ax = fig.axes
+    lines = {line.get_label(): line for line in metric_ax.lines}
+    assert list(lines["accuracy"].get_xdata()) == [5, 6]
+    assert list(lines["base: accuracy"].get_xdata()) == [1, 2, 3, 4]  # up to its best.tar
+    assert "fine-tuning starts (base best.tar)" in lines
+    assert list(lines["fine-tuning starts (base best.tar)"].get_xdata()) == [4, 4]
+    assert list(lines["best.tar: epoch 2"].get_xdata()) == [6, 6]
+    low, high = metric_ax.get_ylim()
+    assert high - low > 0.05  # the parent's 0.91..0.94 and the child's 0.98 together
+    alone = report_plots.draw_curves("ft", child, best_epoch=2)
+    low, high = alone.axes[1].get_ylim()
+    assert high - low >= 0.0098  # not 0.00012: the two points are as flat as they are
+    assert {t.get_text() for t in alone.axes[1].texts} == {"0.9800", "0.9800"}
 
 
 def test_metric_chart_spans_the_data_and_names_the_ranking_metric():
@@ -74,7 +157,7 @@ def test_metric_chart_spans_the_data_and_names_the_ranking_metric():
     low, high = accuracy_ax.get_xlim()
     assert 0.9 < low < 0.98 and 0.9956 < high < 1.01  # not from 0: the gap is visible
     assert "higher is better" in accuracy_ax.get_title() and "ranks" in accuracy_ax.get_title()
-    assert "better" not in loss_ax.get_title()
+    assert loss_ax.get_title() == "loss\n(lower is better)"
     assert fig._suptitle.get_text()
 
 
@@ -86,7 +169,7 @@ def test_sweep_chart_has_the_swept_value_on_x():
     fig = report_plots.draw_sweep("s", sweep, table, "accuracy", True)
     (ax,) = fig.axes
     assert ax.get_xlabel() == "lr" and ax.get_xscale() == "log"
-    assert ax.get_ylabel() == "accuracy (higher is better)"
+    assert ax.get_ylabel() == "accuracy (higher is better)"  # the column it is given
     (line, best) = ax.lines
     assert list(line.get_xdata()) == [0.001, 0.01, 0.1]
     assert list(line.get_ydata()) == [0.8, 0.95, 0.9]
@@ -110,10 +193,11 @@ def test_html_report_holds_captioned_plots_and_the_leaderboard_table(finished, t
                  "echelon3 trains every experiment",  # the workflow description
                  "The dashed red line marks",  # the learning curves' caption
                  "Each axis spans the values shown",  # the metric chart's caption
-                 "Test-set metrics of every experiment"):  # the leaderboard's caption
+                 "validation data that chose",  # the leaderboard's caption
+                 "selected_on"):
         assert text in html, text
     table = (wf / "results/leaderboard.html").read_text()
-    assert "<table" in table and "Ranked by <code>accuracy</code>, highest first" in table
+    assert "<table" in table and "Ranked by <code>test accuracy</code>, highest first" in table
     first, second, third = pd.read_csv(wf / "results/leaderboard.csv")["experiment"]
     assert table.index(f">{first}<") < table.index(f">{second}<") < table.index(f">{third}<")
 
@@ -151,8 +235,10 @@ def test_report_script_writes_every_output_of_the_rule(tmp_path):
             higher_is_better=True,
             sweeps={"s": {"keys": ["lr"], "points": {"s/lr~0.1": {"lr": 0.1},
                                                      "s/lr~0.01": {"lr": 0.01}}}}))
-    report.main(smk)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # pandas' deprecations included (Pandas4Warning)
+        report.main(smk)
     assert list(pd.read_csv(outputs.csv)["experiment"]) == ["s/lr~0.01", "s/lr~0.1", "solo"]
     for png in [outputs.bars, *outputs.curves, *outputs.sweeps]:
         assert png.read_bytes()[:4] == b"\x89PNG", png
-    assert "Ranked by <code>accuracy</code>" in outputs.html.read_text()
+    assert "Ranked by <code>test accuracy</code>" in outputs.html.read_text()

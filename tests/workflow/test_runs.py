@@ -40,13 +40,20 @@ def test_leaderboard_ranks_all_metrics_best_first(finished):
         rows = list(csv.DictReader(f))
     assert [r["rank"] for r in rows] == ["1", "2", "3"]
     assert {r["experiment"] for r in rows} == {"digits_cnn", "digits_mlp", "digits_mlp_ft"}
-    accuracies = [float(r["accuracy"]) for r in rows]
+    accuracies = [float(r["test accuracy"]) for r in rows]
     assert accuracies == sorted(accuracies, reverse=True)
     for row in rows:
-        metrics = json.loads((finished / "results" / row["experiment"] / "metrics.json").read_text())
-        assert {k: float(row[k]) for k in metrics} == pytest.approx(metrics)
+        folder = finished / "results" / row["experiment"]
+        metrics = json.loads((folder / "metrics.json").read_text())
+        # the digits experiments choose best.tar on their validation split
+        assert metrics.pop("selected_on") == row["selected_on"] == "val"
+        assert {k: float(row[f"test {k}"]) for k in metrics} == pytest.approx(metrics, abs=1e-6)
+        best = json.loads((folder / "summary.json").read_text())["best"]
+        assert float(row["val accuracy"]) == pytest.approx(best["metrics"]["accuracy"], abs=1e-6)
+        assert best["selected_on"] == "val"
     md = (finished / "results/leaderboard.md").read_text()
-    assert "Ranked by `accuracy`, highest first." in md
+    assert "Ranked by `test accuracy`, highest first." in md
+    assert "| selected_on | val accuracy | test accuracy |" in re.sub(" +", " ", md)
     lines = [line for line in md.splitlines() if line.startswith("|")]
     assert rows[0]["experiment"] in lines[2] and rows[1]["experiment"] in lines[3]
 
@@ -104,9 +111,10 @@ def test_changed_override_retrains_exactly_that_experiment(finished, tmp_path):
 def test_train_log_ends_with_a_summary_block(finished):
     log = (finished / "logs/train/digits_cnn.log").read_text()
     summary = json.loads((finished / "results/digits_cnn/summary.json").read_text())
-    end = log[log.rindex(f"finished {EPOCHS} epochs in"):]
+    end = log[log.rindex(f"trained {EPOCHS} epochs in"):]
     best = summary["best"]
-    assert f"best     epoch {best['epoch']} (step {best['step']}): " in end
+    assert f"best     epoch {best['epoch']} (step {best['step']}, selected on the validation " \
+        "set): " in end
     assert f"accuracy {best['metrics']['accuracy']:.4f}" in end
     assert re.search(r"written  results/digits_cnn/: best\.tar, checkpoint-\d+\.tar, .*"
                      r"config\.yaml, history\.jsonl, summary\.json", end), end
@@ -118,7 +126,8 @@ def test_workflow_ends_with_the_leaderboard_and_where_things_are(finished):
     with open(finished / "results/leaderboard.csv") as f:
         rows = list(csv.DictReader(f))
     top = end.splitlines()[2].split()
-    assert top[:3] == ["1", rows[0]["experiment"], f"{float(rows[0]['accuracy']):.4f}"]
+    assert top[:5] == ["1", rows[0]["experiment"], "val", f"{float(rows[0]['val accuracy']):.4f}",
+                       f"{float(rows[0]['test accuracy']):.4f}"]
     # experiments without an export have an empty model cell, not "NaN"
     assert "NaN" not in end.split("Results:")[0]
     for line in ("Results:  results/<experiment>/", "Plots:    results/plots/",

@@ -6,7 +6,9 @@ localrules:
 rule report:
     """Leaderboard (CSV, Markdown, HTML; best first) and plots over all
     experiments. The learning curves read each run's history.jsonl, which train
-    writes beside best.tar, and mark the epoch of best.tar from summary.json."""
+    writes beside best.tar, and mark the epoch of best.tar from summary.json; a
+    fine-tuned run's curves continue its parent's. The leaderboard's val column is
+    best.tar's validation score (summary.json), its test columns metrics.json."""
     input:
         metrics=results("results/{exp}/metrics.json"),
         summaries=results("results/{exp}/summary.json"),
@@ -41,6 +43,7 @@ rule report:
         experiments=report_labels(),
         sweeps=sweep_points(),
         histories=results("results/{exp}/history.jsonl"),
+        parents=PARENTS,  # chains.smk
         metric=config["leaderboard"]["metric"],
         higher_is_better=config["leaderboard"]["higher_is_better"],
     script:

@@ -11,6 +11,10 @@ def leaderboard_top(path="results/leaderboard.csv"):
         return None
     table = pd.read_csv(path)
     shown = table.drop(columns=["config", "overrides"], errors="ignore")
+    # the model's path last: the scores line up after the names
+    shown = shown[
+        [c for c in shown.columns if c != "model"] + ["model"] * ("model" in shown)
+    ]
     text = shown.head(LEADERBOARD_ROWS).to_string(
         index=False, na_rep="", float_format="{:.4f}".format
     )

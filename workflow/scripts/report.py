@@ -1,16 +1,22 @@
-"""The workflow's report step: leaderboard (CSV, Markdown) and plots.
+"""The workflow's report step: leaderboard (CSV, Markdown, HTML) and plots.
 
 Run by Snakemake's `script:` directive, which puts this folder on sys.path
 (report_plots.py draws the pictures); everything comes in through the
 `snakemake` object: input.metrics, input.summaries, params.histories and
 output.curves follow the order of params.experiments; output.sweeps that of
-params.sweeps.
+params.sweeps; params.parents maps a fine-tuned experiment to the one it starts from.
+
+The leaderboard keeps the two roles of data apart: `test <metric>` columns are
+metrics.json (`echelon3 evaluate` on the test set), `val <metric>` is best.tar's
+score on the validation data that chose it (summary.json), empty when the test set
+chose it (`selected_on: test`: its test scores are optimistic).
 """
 
 import html
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -19,8 +25,22 @@ from report_plots import draw_curves, draw_metrics, draw_sweep, save
 
 log = logging.getLogger("report")
 
+SELECTED_ON = "selected_on"  # metrics.json and summary.json: "val" or "test"
+TABLE_DECIMALS = 4  # Markdown, HTML and the console
+CSV_DECIMALS = 6  # float32 noise (1.0000001192092896) is not a digit worth keeping
+LABELS = ("experiment", "config", "overrides", "model", SELECTED_ON)
+
+
+def test_column(metric):
+    return f"test {metric}"
+
+
+def val_column(metric):
+    return f"val {metric}"
+
 
 def read_metrics(path):
+    """(metrics, selected_on or None) of a metrics.json."""
     try:
         with open(path) as f:
             metrics = json.load(f)
@@ -29,10 +49,37 @@ def read_metrics(path):
                          "evaluate job") from e
     if not isinstance(metrics, dict):
         raise ValueError(f"{path}: expected a JSON object of metric -> value")
+    selected = metrics.pop(SELECTED_ON, None)
+    if selected not in (None, "val", "test"):
+        raise ValueError(f"{path}: {SELECTED_ON} must be 'val' or 'test', got {selected!r}")
     try:
-        return {key: float(value) for key, value in metrics.items()}
+        return {key: float(value) for key, value in metrics.items()}, selected
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: every value must be a number ({e})") from e
+
+
+def read_summary(path):
+    """summary.json's `best` record ({} when missing or unreadable)."""
+    if path is None:
+        return {}
+    try:
+        with open(path) as f:
+            return json.load(f).get("best") or {}
+    except (OSError, ValueError, AttributeError):
+        log.warning("%s is missing or not JSON: no validation score, best epoch not marked",
+                    path)
+        return {}
+
+
+def selection_score(best, metric):
+    """best.tar's validation value of `metric` (a test metric's name): the same key, else
+    the one validation metric of the same name in another set."""
+    scores = best.get("metrics") or {}
+    if metric in scores:
+        return scores[metric]
+    short = metric.rsplit("/", 1)[-1]
+    same = [v for k, v in scores.items() if k.rsplit("/", 1)[-1] == short]
+    return same[0] if len(same) == 1 else None
 
 
 def read_history(path):
@@ -52,34 +99,62 @@ def read_history(path):
     return records
 
 
-def leaderboard(experiments, metric_files, metric, higher_is_better):
-    rows = []
-    for (name, spec), path in zip(experiments.items(), metric_files):
+def leaderboard(experiments, metric_files, metric, higher_is_better, summary_files=None):
+    """(table ranked best first, the ranking column, the test metric columns)."""
+    summaries = summary_files or [None] * len(metric_files)
+    rows, bests = [], []
+    for (name, spec), path, summary in zip(experiments.items(), metric_files, summaries):
+        metrics, selected = read_metrics(path)
+        best = read_summary(summary)
+        bests.append(best)
         rows.append(
             {
                 "experiment": name,
                 "config": spec["config"],
                 "overrides": " ".join(spec["overrides"]),
                 **({"model": spec["model"]} if spec.get("model") else {}),
-                **read_metrics(path),
+                SELECTED_ON: selected or best.get(SELECTED_ON) or "test",
+                **{test_column(k): v for k, v in metrics.items()},
             }
         )
     table = pd.DataFrame(rows)
-    labels = ("experiment", "config", "overrides", "model")
-    metric_columns = [c for c in table.columns if c not in labels]
+    columns = [c for c in table.columns if c not in LABELS]
+    names = [c.removeprefix("test ") for c in columns]
     if metric is None:
-        complete = [c for c in metric_columns if table[c].notna().all()]
+        complete = [n for n, c in zip(names, columns) if table[c].notna().all()]
         if not complete:
             raise ValueError("no metric is reported by every experiment; set leaderboard.metric")
         metric = complete[0]
-    if metric not in metric_columns:
+    if metric not in names:
         raise ValueError(
             f"leaderboard.metric: '{metric}' is in no metrics.json "
-            f"(found: {', '.join(metric_columns) or 'none'})"
+            f"(found: {', '.join(names) or 'none'})"
         )
-    table = table.sort_values(metric, ascending=not higher_is_better, kind="stable", na_position="last")
+    val = [selection_score(best, metric) if selected == "val" else None
+           for best, selected in zip(bests, table[SELECTED_ON])]
+    table.insert(table.columns.get_loc(SELECTED_ON) + 1, val_column(metric),
+                 [float("nan") if v is None else float(v) for v in val])
+    ranking = test_column(metric)
+    table = table.sort_values(ranking, ascending=not higher_is_better, kind="stable",
+                              na_position="last")
     table.insert(0, "rank", range(1, len(table) + 1))
-    return table.reset_index(drop=True), metric, metric_columns
+    return table.reset_index(drop=True), ranking, columns
+
+
+def note(table):
+    """What the page says about the data behind the numbers."""
+    text = ("`test` columns: `echelon3 evaluate` of each run's best.tar on the test set; "
+            "`val`: best.tar's score on the validation data that chose it.")
+    on_test = list(table.loc[table[SELECTED_ON] == "test", "experiment"])
+    if on_test:
+        text += (f" Selected on the test set (no validation data, so their test scores "
+                 f"are optimistic): {', '.join(on_test)}.")
+    return text
+
+
+def rounded(table, decimals):
+    return table.round({c: decimals for c in table.select_dtypes("number").columns
+                        if c != "rank"})
 
 
 def markdown(table, metric, higher_is_better, folder="results"):
@@ -90,8 +165,8 @@ def markdown(table, metric, higher_is_better, folder="results"):
             f"[{Path(m).name}]({os.path.relpath(m, folder)})" if isinstance(m, str) else ""
             for m in table["model"]
         ])
-    body = table.to_markdown(index=False, floatfmt=".4g")
-    return f"# Leaderboard\n\nRanked by `{metric}`, {order} first.\n\n{body}\n"
+    body = table.to_markdown(index=False, floatfmt=f".{TABLE_DECIMALS}f")
+    return f"# Leaderboard\n\nRanked by `{metric}`, {order} first.\n\n{note(table)}\n\n{body}\n"
 
 
 HTML = """<!DOCTYPE html>
@@ -102,8 +177,8 @@ th, td {{ padding: 4px 12px; border-bottom: 1px solid #ddd; text-align: left; }}
 tbody tr:first-child {{ background: #eef6ee; font-weight: bold; }}
 </style></head><body>
 <h2>Leaderboard</h2>
-<p>Ranked by <code>{metric}</code>, {order} first (test set, <code>echelon3 evaluate</code>
-on each run's best.tar).</p>
+<p>Ranked by <code>{metric}</code>, {order} first.</p>
+<p>{note}</p>
 {table}
 </body></html>
 """
@@ -113,42 +188,44 @@ def html_table(table, metric, higher_is_better, folder="results"):
     """The leaderboard as a small HTML page: the report shows HTML, not CSV. An
     exported model becomes a link relative to `folder`."""
     order = "highest" if higher_is_better else "lowest"
-    cells = {c: lambda v: html.escape(str(v)) for c in table.select_dtypes("object")}
+    cells = {c: lambda v: html.escape(str(v))
+             for c in table.select_dtypes(include=["object", "string"]).columns}
     if "model" in table.columns:
         cells["model"] = lambda m: (
             f'<a href="{html.escape(os.path.relpath(m, folder))}">{Path(m).name}</a>'
             if isinstance(m, str) and m else "")
-    body = table.to_html(index=False, float_format=lambda v: f"{v:.4f}", na_rep="", border=0,
-                         formatters=cells, escape=False)
-    return HTML.format(metric=metric, order=order, table=body)
-
-
-def best_epoch(path):
-    """The epoch of best.tar, from the run's summary.json (None when unknown)."""
-    try:
-        with open(path) as f:
-            return (json.load(f).get("best") or {}).get("epoch")
-    except (OSError, ValueError):
-        log.warning("%s is missing or not JSON: best epoch not marked", path)
-        return None
+    body = table.to_html(index=False, float_format=lambda v: f"{v:.{TABLE_DECIMALS}f}",
+                         na_rep="", border=0, formatters=cells, escape=False)
+    words = html.escape(note(table))
+    words = re.sub(r"`([^`]*)`", r"<code>\1</code>", words)
+    return HTML.format(metric=html.escape(metric), order=order, note=words, table=body)
 
 
 def main(smk):
     logging.basicConfig(filename=smk.log[0], level=logging.INFO, format="%(levelname)s %(message)s")
     experiments = smk.params.experiments
     metric, higher = smk.params.metric, smk.params.higher_is_better
-    table, metric, metric_columns = leaderboard(experiments, smk.input.metrics, metric, higher)
-    table.to_csv(smk.output.csv, index=False)
-    Path(smk.output.md).write_text(markdown(table, metric, higher, Path(smk.output.md).parent))
-    Path(smk.output.html).write_text(html_table(table, metric, higher,
+    table, ranking, columns = leaderboard(experiments, smk.input.metrics, metric, higher,
+                                          smk.input.summaries)
+    rounded(table, CSV_DECIMALS).to_csv(smk.output.csv, index=False)
+    shown = rounded(table, TABLE_DECIMALS)
+    Path(smk.output.md).write_text(markdown(shown, ranking, higher, Path(smk.output.md).parent))
+    Path(smk.output.html).write_text(html_table(shown, ranking, higher,
                                                 Path(smk.output.html).parent))
-    for name, history, summary, png in zip(experiments, smk.params.histories,
-                                           smk.input.summaries, smk.output.curves):
-        save(draw_curves(name, read_history(history), best_epoch(summary)), png)
-    save(draw_metrics(table, metric_columns, metric, higher), smk.output.bars)
+    runs = {name: (read_history(history), read_summary(summary))
+            for name, history, summary in zip(experiments, smk.params.histories,
+                                              smk.input.summaries)}
+    parents = getattr(smk.params, "parents", {}) or {}
+    for name, png in zip(experiments, smk.output.curves):
+        records, best = runs[name]
+        parent = parents.get(name)
+        chain = (parent, *runs[parent]) if parent in runs else None
+        save(draw_curves(name, records, best.get("epoch"), best.get(SELECTED_ON, "test"),
+                         parent=chain), png)
+    save(draw_metrics(table, columns, ranking, higher), smk.output.bars)
     for (name, sweep), png in zip(smk.params.sweeps.items(), smk.output.sweeps):
-        save(draw_sweep(name, sweep, table, metric, higher), png)
-    log.info("ranked %d experiments by %s", len(table), metric)
+        save(draw_sweep(name, sweep, table, ranking, higher), png)
+    log.info("ranked %d experiments by %s", len(table), ranking)
 
 
 if __name__ == "__main__":

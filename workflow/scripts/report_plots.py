@@ -1,5 +1,9 @@
 """The workflow's pictures: learning curves per experiment, test metrics over all
-experiments, and one chart per sweep. Used by report.py."""
+experiments, and one chart per sweep. Used by report.py.
+
+The curves name the data they were validated on: "validation", or "test" for a run
+without validation data (the test set then chose best.tar). A fine-tuned run's
+curves continue its parent's, from the epoch of the parent's best.tar it started from."""
 
 import math
 
@@ -34,15 +38,27 @@ def _train_points(train):
     return points
 
 
-def _mark_best(ax, best_epoch):
+def _mark_best(ax, best_epoch, offset=0):
     if best_epoch is None:
         return
-    ax.axvline(best_epoch, color="tab:red", ls="--", lw=1, alpha=0.8,
+    ax.axvline(best_epoch + offset, color="tab:red", ls="--", lw=1, alpha=0.8,
                label=f"best.tar: epoch {best_epoch}")
 
 
-def _finish_axes(ax, title, ylabel):
-    ax.set(title=title, xlabel="epoch", ylabel=ylabel)
+def _keep_span(ax, values):
+    """At least 1% of the values' size on the y axis: two points 0.0001 apart draw as
+    the flat line they are, not as a cliff."""
+    if not values:
+        return
+    low, high = min(values), max(values)
+    least = max(0.01 * max(abs(low), abs(high)), 1e-3)
+    if high - low < least:
+        middle = (low + high) / 2
+        ax.set_ylim(middle - least, middle + least)
+
+
+def _finish_axes(ax, title, ylabel, xlabel="epoch"):
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     if not ax.has_data():
@@ -51,35 +67,82 @@ def _finish_axes(ax, title, ylabel):
         ax.legend(fontsize="small")
 
 
+def _split(records):
+    train = [r for r in records if r.get("split") == "train" and "loss" in r]
+    val = [r for r in records if r.get("split") == "val"]
+    keys = list(dict.fromkeys(k for r in val for k in r if k not in RECORD_KEYS))
+    return train, val, keys
+
+
+def _draw_parent(loss_ax, metric_ax, parent):
+    """The parent's curves up to the epoch of its best.tar, which the child starts from;
+    that epoch (the child's x offset), or 0 without a parent."""
+    if parent is None:
+        return 0
+    name, records, best = parent
+    start = best.get("epoch")
+    if start is None:
+        return 0
+    train, val, keys = _split([r for r in records if r.get("epoch", 0) <= start])
+    if train:
+        loss_ax.plot(*zip(*_train_points(train)), lw=1, color="0.6", label=f"{name}: train")
+    for key in keys:
+        points = [(r["epoch"], r[key]) for r in val if isinstance(r.get(key), (int, float))]
+        if points:
+            ax = loss_ax if _is_loss(key) else metric_ax
+            ax.plot(*zip(*points), marker=".", ls=":", color="0.5", alpha=0.8,
+                    label=f"{name}: validation {key}" if _is_loss(key) else f"{name}: {key}")
+    for ax in (loss_ax, metric_ax):
+        ax.axvline(start, color="0.3", lw=1, label=f"fine-tuning starts ({name} best.tar)")
+    return start
+
+
 def save(fig, path):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def draw_curves(name, records, best_epoch):
+def draw_curves(name, records, best_epoch, selected_on="val", parent=None):
     """Losses (train, running mean per logged step; validation per epoch) on the left,
     validation metrics on the right, each on its own labelled axis; the epoch of
-    best.tar marked on both."""
-    train = [r for r in records if r.get("split") == "train" and "loss" in r]
-    val = [r for r in records if r.get("split") == "val"]
-    keys = list(dict.fromkeys(k for r in val for k in r if k not in RECORD_KEYS))
+    best.tar marked on both. `selected_on: test`: the curves say test, not validation.
+    `parent`: (name, records, summary's best) of the run this one was fine-tuned from."""
+    train, val, keys = _split(records)
+    data = "validation" if selected_on == "val" else "test"
     fig, (loss_ax, metric_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    offset = _draw_parent(loss_ax, metric_ax, parent)
     if train:
-        loss_ax.plot(*zip(*_train_points(train)), lw=1, alpha=0.7, label="train")
+        xs, ys = zip(*_train_points(train))
+        loss_ax.plot([x + offset for x in xs], ys, lw=1, alpha=0.7, label="train")
+    shown = {loss_ax: [], metric_ax: []}
     for i, key in enumerate(keys):
-        points = [(r["epoch"], r[key]) for r in val if isinstance(r.get(key), (int, float))]
+        points = [(r["epoch"] + offset, r[key]) for r in val
+                  if isinstance(r.get(key), (int, float))]
         if not points:
             continue
         marker, line = STYLES[i % len(STYLES)]
         ax = loss_ax if _is_loss(key) else metric_ax
-        label = f"validation {key}" if _is_loss(key) else key
+        label = f"{data} {key}" if _is_loss(key) else key
         ax.plot(*zip(*points), marker=marker, ls=line, ms=4, alpha=0.85, label=label)
+        shown[ax] += [v for _, v in points]
+        if len(points) <= 2 and ax is metric_ax and not offset:
+            # a few points: their values, not a shape (above one curve, below the next)
+            above = len(shown[ax]) // len(points) % 2 == 1
+            for x, v in points:
+                ax.annotate(f"{v:.4f}", (x, v), xytext=(0, 6 if above else -12),
+                            textcoords="offset points", ha="center", fontsize="x-small")
     for ax in (loss_ax, metric_ax):
-        _mark_best(ax, best_epoch)
-    _finish_axes(loss_ax, "loss", "loss")
-    _finish_axes(metric_ax, "validation metrics", "metric value")
-    fig.suptitle(f"{name}: learning curves")
+        _mark_best(ax, best_epoch, offset)
+        if offset == 0:
+            _keep_span(ax, shown[ax])
+    xlabel = f"epoch ({parent[0]}, then {name})" if offset else "epoch"
+    _finish_axes(loss_ax, "loss (lower is better)", "loss", xlabel)
+    chosen = "validation metrics" if data == "validation" else \
+        "test-set metrics (no validation data: the test set chose best.tar)"
+    _finish_axes(metric_ax, chosen, "metric value", xlabel)
+    fig.suptitle(f"{name}: learning curves" + (f", fine-tuned from {parent[0]}" if offset
+                                                else ""))
     return fig
 
 
@@ -92,10 +155,14 @@ def _span(values):
 
 def draw_metrics(table, metric_columns, metric, higher_is_better):
     """One dot panel per metric, experiments in leaderboard order (best on top), the
-    axis spanning the values; the ranking metric's panel says so and which way is better."""
+    axis spanning the values; the ranking metric's panel says so and which way is better,
+    a loss panel that lower is better; an experiment selected on the test set says so."""
     n = max(len(metric_columns), 1)
     fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 0.45 * len(table) + 1.8), squeeze=False)
-    names = list(table["experiment"])[::-1]
+    on_test = list(table["selected_on"] == "test") if "selected_on" in table else \
+        [False] * len(table)
+    names = [f"{name}\n(selected on test)" if test else name
+             for name, test in zip(table["experiment"], on_test)][::-1]
     for ax, column in zip(axes[0], metric_columns):
         values = list(table[column])[::-1]
         known = [(y, v) for y, v in enumerate(values) if not math.isnan(v)]
@@ -105,13 +172,15 @@ def draw_metrics(table, metric_columns, metric, higher_is_better):
         ax.plot([v for _, v in known], [y for y, _ in known], "o",
                 color="tab:red" if column == metric else "tab:blue")
         for y, v in known:
-            ax.annotate(f"{v:.4g}", (v, y), xytext=(0, 6), textcoords="offset points",
+            ax.annotate(f"{v:.4f}", (v, y), xytext=(0, 6), textcoords="offset points",
                         ha="center", fontsize="small")
         ax.set_xlim(*_span([v for _, v in known]))
         ax.set_yticks(range(len(names)), names)
         ax.set_ylim(-0.6, len(names) - 0.4)
-        ranking = f"\n(ranks the leaderboard, {direction(higher_is_better)})" if column == metric \
-            else ""
+        if column == metric:
+            ranking = f"\n(ranks the leaderboard, {direction(higher_is_better)})"
+        else:
+            ranking = f"\n({direction(False)})" if _is_loss(column.split(" ", 1)[-1]) else ""
         ax.set_title(f"{column}{ranking}", fontsize="medium")
         ax.grid(axis="x", alpha=0.3)
     for ax in axes[0][1:]:
