@@ -10,6 +10,7 @@ report: "workflow/report/workflow.rst"
 
 
 include: "workflow/rules/checks.smk"
+include: "workflow/rules/signals.smk"
 
 
 # One line naming the key at fault, before anything is planned.

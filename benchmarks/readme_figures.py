@@ -31,21 +31,23 @@ PAGE = REPO / "docs" / "getting-started.md"
 START, END = "<!-- readme_figures:start -->", "<!-- readme_figures:end -->"
 
 
-def run_workflow(folder: Path) -> tuple[float, float]:
+def run_workflow(folder: Path) -> tuple[float, float, tuple[float, float]]:
     """`snakemake -j1` on a copy of the project in ``folder``: its wall time and the CPU
-    time of everything it ran, in seconds (the CPU time depends less on the load)."""
+    time of everything it ran, in seconds (the CPU time depends less on the load), and
+    the machine's 1-minute load average at the start and at the end."""
     shutil.copy2(REPO / "Snakefile", folder / "Snakefile")
     for name in ("workflow", "config", "profiles"):
         shutil.copytree(REPO / name, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     cpu = _children_cpu()
+    load_start = os.getloadavg()[0]
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "snakemake", "-j1"], cwd=folder, env=env,
                           text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     elapsed = time.monotonic() - started
     if proc.returncode != 0:
         sys.exit(f"snakemake -j1 failed:\n{proc.stdout[-4000:]}")
-    return elapsed, _children_cpu() - cpu
+    return elapsed, _children_cpu() - cpu, (load_start, os.getloadavg()[0])
 
 
 def _children_cpu() -> float:
@@ -64,7 +66,7 @@ def rows(folder: Path) -> list[str]:
     return lines
 
 
-def table(folder: Path, workflow_s: float, cpu_s: float) -> str:
+def table(folder: Path, workflow_s: float, cpu_s: float, load: tuple[float, float]) -> str:
     import torch
 
     header = ["| run | training (`echelon3 train`, after start-up) | test accuracy of best.tar "
@@ -72,9 +74,10 @@ def table(folder: Path, workflow_s: float, cpu_s: float) -> str:
     footer = (f"| `snakemake -j1` (the whole workflow: every job above, evaluate, run, "
               f"export, leaderboard, plots) | {workflow_s:.0f} s in all ({cpu_s:.0f} s of CPU) "
               "| | |")
-    note = (f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} CPU cores, torch "
-            f"{torch.__version__}, by `python benchmarks/readme_figures.py` (it rewrites this "
-            "table). Accuracy repeats exactly on the same machine; times vary with its load.")
+    note = (f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} CPU cores (load average "
+            f"{load[0]:.1f} at the start, {load[1]:.1f} at the end), torch {torch.__version__}, "
+            "by one run of `python benchmarks/readme_figures.py` (it rewrites this table). "
+            "Accuracy repeats exactly on the same machine; times vary with its load.")
     return "\n".join([*header, *rows(folder), footer, "", note])
 
 

@@ -2,13 +2,13 @@
 
 Runs the workflow twice in fresh copies of Snakefile, workflow/, config/ and profiles/:
 once as shipped, once without the experiments that finetune from another
-(`init_from`) — the default before the chain — and prints both wall times and
-their difference, and the CPU time the jobs used (user + system of every process
-below Snakemake), which a busy machine inflates far less than wall time. With
---write-readme the figures replace the marked line in docs/getting-started.md,
-dated, with the machine's load average at the start.
+(`init_from`) — the default before the chain — and prints what the chain adds in
+wall time and in CPU time of the jobs (user + system of every process below
+Snakemake, which a busy machine inflates far less than wall time), dated, with the
+machine's load average at the start and at the end. The total of the whole
+workflow on docs/getting-started.md is benchmarks/readme_figures.py's, from one run.
 
-    python benchmarks/workflow_time.py [--write-readme]
+    python benchmarks/workflow_time.py
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import re
 import resource
 import shutil
 import subprocess
@@ -28,8 +27,6 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-PAGE = REPO / "docs" / "getting-started.md"
-MARK = re.compile(r"<!-- workflow-time -->.*?<!-- /workflow-time -->", re.S)
 
 
 def timed_run(config: dict | None) -> tuple[float, float]:
@@ -53,9 +50,7 @@ def timed_run(config: dict | None) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write-readme", action="store_true")
-    args = parser.parse_args()
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     shipped = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     without = dict(shipped, experiments={name: spec for name, spec in
                                          shipped["experiments"].items()
@@ -64,18 +59,10 @@ def main() -> None:
     load = os.getloadavg()[0]
     base, base_cpu = timed_run(without)
     full, full_cpu = timed_run(None)
-    line = (f"<!-- workflow-time -->`benchmarks/workflow_time.py`, "
-            f"{datetime.date.today().isoformat()}, {os.cpu_count()} cores, load average "
-            f"{load:.1f} at the start: `snakemake -j1` took {full:.0f} s for the default and "
-            f"{base:.0f} s without {', '.join(chain)}; its jobs used {full_cpu:.0f} and "
-            f"{base_cpu:.0f} CPU seconds: the chain adds {full_cpu - base_cpu:.0f} CPU "
-            "seconds.<!-- /workflow-time -->")
-    print(line)
-    if args.write_readme:
-        text = PAGE.read_text()
-        if not MARK.search(text):
-            sys.exit(f"{PAGE} has no <!-- workflow-time --> line to replace")
-        PAGE.write_text(MARK.sub(lambda _: line, text))
+    print(f"{datetime.date.today().isoformat()}, {os.cpu_count()} cores, load average "
+          f"{load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end: "
+          f"{', '.join(chain)} adds {full - base:.0f} s of wall time and "
+          f"{full_cpu - base_cpu:.0f} CPU seconds to `snakemake -j1`")
 
 
 if __name__ == "__main__":

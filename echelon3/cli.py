@@ -56,15 +56,29 @@ examples:
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a "did you mean" after an invalid choice (a mistyped subcommand)."""
+
+    def error(self, message):
+        import re
+
+        from echelon3.errors import did_you_mean
+
+        found = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if found:
+            message += did_you_mean(found.group(1), re.findall(r"'([^']*)'", found.group(2)))
+        super().error(message)
+
+
 def parser() -> argparse.ArgumentParser:
     from echelon3 import __version__
 
-    top = argparse.ArgumentParser(
+    top = _Parser(
         prog="echelon3", description="Config-driven PyTorch training: one YAML per run.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_argument("--version", action="version", version=f"echelon3 {__version__}")
     sub = top.add_subparsers(dest="command", metavar="{" + ",".join([*TASKS, "profiles"]) + "}",
-                             required=True)
+                             required=True, parser_class=_Parser)
     for name, (_, _, help_text) in TASKS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -91,11 +105,11 @@ def _execute(args) -> None:
         profiles.main(args)
         return
 
-    from echelon3.config import load_config, to_yaml
+    from echelon3.config import to_yaml
 
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    rc = load_config(args.config_dir, args.config_name, args.overrides)
+    rc = _load(args)
     if args.print_config:
         sys.stdout.write(to_yaml(rc.cfg))
         return
@@ -125,6 +139,26 @@ def _execute(args) -> None:
         runtime.launch(task, rc, validate)
 
 
+def _load(args):
+    """The composed config; a -cn that names no file gets the closest name in -cd."""
+    from pathlib import Path
+
+    from echelon3.config import load_config
+    from echelon3.errors import ConfigError, did_you_mean
+
+    try:
+        return load_config(args.config_dir, args.config_name, args.overrides)
+    except ConfigError as e:
+        if e.key != "--config-name" or "not found" not in e.message:
+            raise
+        folder = Path(args.config_dir or ".").expanduser()
+        names = sorted(path.stem for path in folder.glob("*.yaml"))
+        shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "") or "none"
+        name = args.config_name.removesuffix(".yaml")
+        raise ConfigError("--config-name", f"no {name}.yaml in {folder}"
+                          f"{did_you_mean(name, names)}; configs there: {shown}") from None
+
+
 def _user_error(e: BaseException):
     """The one-line form of an error the user caused, or None."""
     from echelon3.errors import UserError
@@ -138,35 +172,63 @@ def _user_error(e: BaseException):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (``sys.argv[1:]`` when None) -> the exit code.
+
+    Ctrl-C is handled by :mod:`echelon3.interrupt` from the first line on. Called
+    without ``argv``, as the program itself, a later Ctrl-C only sets a flag (the
+    interpreter is finishing); called with ``argv`` from other code, the caller's
+    SIGINT handling comes back on return.
+    """
+    from echelon3 import interrupt
+
+    with interrupt.handling(keep=argv is None):
+        try:
+            return _run(argv)
+        except KeyboardInterrupt:
+            return _interrupted()
+
+
+def _interrupted() -> int:
+    if _debug():
+        traceback.print_exc()
+    if os.environ.get("RANK", "0") == "0":  # one notice per run, not per rank
+        print("echelon3: interrupted", file=sys.stderr)
+    return 130
+
+
+def _run(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     try:
         _execute(args)
-    except KeyboardInterrupt:
+    except Exception as e:
+        from echelon3 import interrupt
+
+        if interrupt.interrupted():  # a library that swallowed the KeyboardInterrupt failed on
+            raise KeyboardInterrupt from e
+        return _failed(e)
+    return 0
+
+
+def _failed(e: Exception) -> int:
+    """The exit code of a failed command, after its one-line message; re-raises a bug."""
+    message = _user_error(e)
+    if message is not None:
         if _debug():
             traceback.print_exc()
-        if os.environ.get("RANK", "0") == "0":  # one notice per run, not per rank
-            print("echelon3: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:
-        message = _user_error(e)
-        if message is not None:
-            if _debug():
-                traceback.print_exc()
-            print(f"echelon3: error: {message}", file=sys.stderr)
-            return 2
-        from echelon3.dist import PEER_LOST, PEER_LOST_EXIT, WorkerFailed, peer_lost
-        from echelon3.preemption import Preempted
+        print(f"echelon3: error: {message}", file=sys.stderr)
+        return 2
+    from echelon3.dist import PEER_LOST, PEER_LOST_EXIT, WorkerFailed, peer_lost
+    from echelon3.preemption import Preempted
 
-        if isinstance(e, Preempted):
-            from echelon3.preemption import before_exit
+    if isinstance(e, Preempted):
+        from echelon3.preemption import before_exit
 
-            before_exit()
-            return e.exit_code  # the trainer logged where it stopped
-        if isinstance(e, WorkerFailed):
-            print(f"echelon3: {e}", file=sys.stderr)
-            return e.exit_code
-        if peer_lost(e):  # one rank of a torchrun / srun job; the failed one said why
-            print(f"echelon3: [rank {os.environ.get('RANK', '?')}] {PEER_LOST}", file=sys.stderr)
-            return PEER_LOST_EXIT
-        raise
-    return 0
+        before_exit()
+        return e.exit_code  # the trainer logged where it stopped
+    if isinstance(e, WorkerFailed):
+        print(f"echelon3: {e}", file=sys.stderr)
+        return e.exit_code
+    if peer_lost(e):  # one rank of a torchrun / srun job; the failed one said why
+        print(f"echelon3: [rank {os.environ.get('RANK', '?')}] {PEER_LOST}", file=sys.stderr)
+        return PEER_LOST_EXIT
+    raise e

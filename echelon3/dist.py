@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import socket
 import subprocess
 import uuid
@@ -250,14 +251,13 @@ def peer_lost(e: BaseException) -> bool:
         s in text for s in ("Connection closed by peer", "Connection reset by peer"))
 
 
-def _describe_failures(err) -> tuple[str, int]:
+def _describe_failures(err, relayed=None) -> tuple[str, int]:
     """Turn elastic's ChildFailedError into one readable message and an exit code.
 
     Workers print their own traceback (or one-line user error) on stderr before
-    exiting, so the summary only names who failed and how.
+    exiting, so the summary only names who failed and how. ``relayed`` (an
+    :class:`echelon3.interrupt.Relay`) tells which signal the launcher passed on.
     """
-    import signal
-
     lines, codes = [], set()
     failures = sorted(err.failures.items())
     if any(f.exitcode != PEER_LOST_EXIT for _, f in failures):
@@ -269,6 +269,12 @@ def _describe_failures(err) -> tuple[str, int]:
             lines.append(f"rank {rank} (pid {failure.pid}) lost its peers; the rank that "
                          "failed first left no message (killed?)")
             continue
+        if relayed is not None and relayed.received is not None and \
+                code == -relayed.received and not relayed.killed:
+            # died of the very signal passed on (it came before the worker's handler)
+            codes.add(preemption.RESUBMIT_EXIT if relayed.received in preemption.signals()
+                      else 130)
+            continue
         if code in (130, -signal.SIGINT):
             codes.add(130)
             continue
@@ -276,7 +282,10 @@ def _describe_failures(err) -> tuple[str, int]:
             codes.add(code)
             continue
         codes.add(2 if code == 2 else 1)
-        if code == -signal.SIGKILL:
+        if code == -signal.SIGKILL and relayed is not None and relayed.killed:
+            lines.append(f"rank {rank} (pid {failure.pid}) did not stop within "
+                         f"{relayed.grace_s:.0f} s of {relayed.received.name}; killed")
+        elif code == -signal.SIGKILL:
             lines.append(f"rank {rank} (pid {failure.pid}): {OOM_HINT}")
         elif code < 0:
             lines.append(f"rank {rank} (pid {failure.pid}) died from signal "
@@ -291,31 +300,62 @@ def _describe_failures(err) -> tuple[str, int]:
     return ("interrupted", 130) if 130 in codes else ("a worker reported an error above", 2)
 
 
+SHUTDOWN_S = 20  # a signalled worker stops at its next step; SLURM's KillWait is 30 s
+
+
+def _workers() -> list[int]:
+    """Pids of the workers this launcher spawned (not multiprocessing's resource tracker)."""
+    import psutil
+
+    found = []
+    for child in psutil.Process().children():
+        try:
+            if any("spawn_main" in part for part in child.cmdline()):
+                found.append(child.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
 def spawn(entrypoint: Callable, args: tuple, nproc: int) -> None:
-    """Run ``entrypoint(*args)`` in ``nproc`` local workers via elastic_launch (no restarts)."""
+    """Run ``entrypoint(*args)`` in ``nproc`` local workers via elastic_launch (no restarts).
+
+    Signals (Ctrl-C, SIGTERM, the preemption warning) never raise in this process:
+    they go on to the workers, which stop at a safe point and exit 130 or 75, and
+    their exit codes say what happened. Workers still running ``SHUTDOWN_S`` after
+    the signal are killed."""
     import torch.distributed.elastic.multiprocessing.errors as elastic_errors
-    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from echelon3 import interrupt
 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
         monitor_interval=0.2, start_method="spawn", logs_specs=DefaultLogsSpecs(),
-        # on SIGTERM / the early-warning signal the agent passes it on and waits: the
-        # workers stop at the next step and checkpoint (SLURM kills after KillWait, 30 s)
-        shutdown_timeout=20, signals_to_handle=preemption.launcher_signals())
+        shutdown_timeout=SHUTDOWN_S,
+        # the agent's own handlers raise wherever its main thread is; the relay below
+        # does their work instead (an empty list: torch registers none)
+        signals_to_handle="")
     # Workers print their own traceback or one-line error; the agent's notes and its
     # copy of the same traceback would only bury it.
     for name, logger in list(logging.root.manager.loggerDict.items()):
         if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")) and \
                 isinstance(logger, logging.Logger):
             logger.setLevel(logging.CRITICAL)
-    try:
-        elastic_launch(config, entrypoint)(*args)
-    except SignalException as e:
-        if e.sigval in preemption.signals():
-            raise preemption.Preempted(f"workers stopped on {e.sigval.name}") from e
-        raise KeyboardInterrupt from e
-    except elastic_errors.ChildFailedError as e:
-        message, code = _describe_failures(e)
-        raise WorkerFailed(message, code) from None
+    signals = [signal.Signals[name] for name in preemption.launcher_signals().split(",")]
+    # Started by the first spawn, multiprocessing's resource tracker unblocks SIGINT and
+    # SIGTERM on its way; started now, it leaves the relay's mask alone.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    with interrupt.relay(signals, _workers, SHUTDOWN_S) as relayed:
+        try:
+            elastic_launch(config, entrypoint)(*args)
+        except elastic_errors.ChildFailedError as e:
+            failed = e
+        else:
+            return
+    message, code = _describe_failures(failed, relayed)
+    raise WorkerFailed(message, code) from None

@@ -20,7 +20,7 @@ from typing import Callable
 
 from omegaconf import OmegaConf
 
-from echelon3 import dist, preemption
+from echelon3 import dist, interrupt, preemption
 from echelon3.config import RunConfig
 from echelon3.errors import ConfigError, UserError
 
@@ -142,29 +142,11 @@ def _silence_non_main(rank: int) -> None:
 
 Task = Callable[[RunConfig, object, dist.Launcher], None]
 
-_interrupted = False
+interrupted = interrupt.interrupted  # the training loop checks it before every step
 
 
-def _on_sigint(signum, frame) -> None:
-    # Raise once; a KeyboardInterrupt can land inside a __del__ and be swallowed, so the
-    # flag lets the training loop raise it again. Later signals (the launcher forwards
-    # the interrupt to its workers) are ignored.
-    global _interrupted
-    if not _interrupted:
-        _interrupted = True
-        raise KeyboardInterrupt
-
-
-def interrupted() -> bool:
-    """True once Ctrl-C reached this process."""
-    return _interrupted
-
-
-def _install_sigint_handler() -> None:
-    import threading
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, _on_sigint)
+def _relayed_signals() -> list[signal.Signals]:
+    return [signal.Signals[name] for name in preemption.launcher_signals().split(",")]
 
 
 def _loader_worker_died(e: BaseException) -> bool:
@@ -183,7 +165,7 @@ def _loader_worker_died(e: BaseException) -> bool:
 def run_worker(task: Task, rc: RunConfig, plan: Plan) -> None:
     """Set up this process as one rank (or the only one), run ``task``, tear down."""
     configure_logging()
-    _install_sigint_handler()
+    interrupt.install(unblock=_relayed_signals())
     launcher = dist.detect_launcher()
     _silence_non_main(launcher.rank)
     device = worker_device(plan, launcher)
@@ -210,26 +192,42 @@ def run_worker(task: Task, rc: RunConfig, plan: Plan) -> None:
 def spawned_worker(task: Task, cfg: dict, config_dir: str, config_file: str, plan: Plan) -> None:
     """Entry point of a worker spawned by echelon3; reports errors itself, then exits."""
     rc = RunConfig(OmegaConf.create(cfg), Path(config_dir), Path(config_file))
+    with interrupt.handling(keep=True):
+        try:
+            code = _worker_exit_code(task, rc, plan)
+        except KeyboardInterrupt:
+            code = 130
+    sys.exit(code)
+
+
+def _worker_exit_code(task: Task, rc: RunConfig, plan: Plan) -> int:
     rank = os.environ.get("RANK", "?")
     try:
         run_worker(task, rc, plan)
-    except UserError as e:
-        print(f"echelon3: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except dist.WorkerFailed as e:
-        print(f"echelon3: [rank {rank}] {e}", file=sys.stderr, flush=True)
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        sys.exit(130)
+        return 0
     except preemption.Preempted:
         preemption.before_exit()
-        sys.exit(preemption.RESUBMIT_EXIT)
-    except BaseException as e:
-        if dist.peer_lost(e):  # the rank that failed has said why; no second story here
-            print(f"echelon3: [rank {rank}] {dist.PEER_LOST}", file=sys.stderr, flush=True)
-            sys.exit(dist.PEER_LOST_EXIT)
-        print(f"[rank {rank}] " + traceback.format_exc().rstrip(), file=sys.stderr, flush=True)
-        sys.exit(1)
+        return preemption.RESUBMIT_EXIT
+    except Exception as e:
+        if interrupt.interrupted():  # a library that swallowed the KeyboardInterrupt failed on
+            return 130
+        return _reported(e, rank)
+
+
+def _reported(e: Exception, rank: str) -> int:
+    """Say why this worker failed (one line for a user error) -> its exit code."""
+    if isinstance(e, UserError):
+        print(f"echelon3: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if isinstance(e, dist.WorkerFailed):
+        print(f"echelon3: [rank {rank}] {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    if dist.peer_lost(e):  # the rank that failed has said why; no second story here
+        print(f"echelon3: [rank {rank}] {dist.PEER_LOST}", file=sys.stderr, flush=True)
+        return dist.PEER_LOST_EXIT
+    print(f"[rank {rank}] " + "".join(traceback.format_exception(e)).rstrip(), file=sys.stderr,
+          flush=True)
+    return 1
 
 
 def launch(task: Task, rc: RunConfig, validate: Callable[[Plan], None] | None = None) -> None:

@@ -15,6 +15,17 @@ run in page order inside a scratch copy of the project (``config/``,
   it names must exist;
 - ``python``: executed.
 
+A block that shows a shipped file includes it, as the site does
+(``pymdownx.snippets``, paths from the repository root)::
+
+    ```yaml title="config/experiments/digits_mlp_ft.yaml"
+    --8<-- "config/experiments/digits_mlp_ft.yaml"
+    ```
+
+The runner resolves the include the same way, so the example it runs is the
+real file; :func:`copied_quotes` finds blocks that claim to be a shipped file
+(by their title, or a lead-in sentence naming it) without including it.
+
 An HTML comment right above a block changes how it runs (invisible on the site)::
 
     <!-- test: epochs=1 -->           train / finetune for 1 epoch (too slow for CI otherwise)
@@ -289,10 +300,70 @@ def compose_and_check(project: Path, text: str, file: str | None) -> None:
 
 
 def parse_page(path: Path, run: PageRun) -> Document:
-    """The page's examples, each bound to the evaluator of its language."""
+    """The page's examples, includes resolved, each bound to the evaluator of its language."""
     parsers = [CodeBlockParser("bash", run.bash), CodeBlockParser("yaml", run.yaml),
                CodeBlockParser("python", run.python)]
-    return Document.parse(str(path), *parsers)
+    text = ATTRIBUTES.sub(r"\1", expand_includes(Path(path).read_text()))  # Sybil: language only
+    document = Document(text, str(path))
+    for parser in parsers:
+        for region in parser(document):
+            document.add(region)
+    return document
+
+
+# --------------------------------------------------------------------------- includes
+
+INCLUDE = re.compile(r'^(?P<indent>[ \t]*)--8<--\s+"(?P<path>[^"]+)"[ \t]*$', re.M)
+FENCE = re.compile(r'^(?P<indent>[ \t]*)(?P<fence>```+)[ \t]*(?P<info>[^\n]*)\n'
+                   r'(?P<body>.*?)^(?P=indent)(?P=fence)[ \t]*$', re.M | re.S)
+TITLE = re.compile(r'title="([^"]+)"')
+ATTRIBUTES = re.compile(r"^([ \t]*```+[\w+-]+)[ \t]+[^\n]*$", re.M)  # ```yaml title="..."
+SHIPPED_KINDS = {"yaml": (".yaml", ".yml"), "python": (".py",)}
+
+
+def expand_includes(text: str, root: Path = REPO) -> str:
+    """``text`` with each ``--8<-- "path"`` line replaced by that file, as
+    pymdownx.snippets does with ``base_path: [.]`` and ``check_paths: true``."""
+    def include(match: re.Match) -> str:
+        path = root / match["path"]
+        if not path.is_file():
+            raise AssertionError(f'--8<-- "{match["path"]}": no such file')
+        body = path.read_text().rstrip("\n")
+        return "\n".join(match["indent"] + line if line else line
+                         for line in body.splitlines())
+
+    return INCLUDE.sub(include, text)
+
+
+def _lead_in(text: str, start: int) -> str:
+    """The sentence right above a block when it ends in ':' (it introduces the block)."""
+    above = text[:start].rstrip()
+    if not above.endswith(":"):
+        return ""
+    paragraph = re.split(r"\n\s*\n|```", above)[-1]
+    return re.split(r"(?<=[.!?])\s", paragraph)[-1]
+
+
+def copied_quotes(text: str, root: Path = REPO) -> list[str]:
+    """Blocks that show a shipped file without including it: the block's title names a
+    file of the repository, or the sentence introducing it names one of the block's
+    kind in backticks; the block must then be exactly ``--8<-- "that file"``."""
+    problems = []
+    for block in FENCE.finditer(text):
+        language = block["info"].split()[0] if block["info"].strip() else ""
+        title = TITLE.search(block["info"])
+        named = [title.group(1)] if title else [
+            path for path in re.findall(r"`([\w./-]+)`", _lead_in(text, block.start()))
+            if path.endswith(SHIPPED_KINDS.get(language, ("\0",)))]
+        shipped = [path for path in named if (root / path).is_file()]
+        if not shipped:
+            continue
+        included = [m["path"] for m in INCLUDE.finditer(block["body"])]
+        if included != shipped[:1] or block["body"].strip() != f'--8<-- "{shipped[0]}"':
+            line = text.count("\n", 0, block.start()) + 1
+            problems.append(f"line {line}: a {language or 'text'} block shows {shipped[0]} "
+                            f'but is not --8<-- "{shipped[0]}"')
+    return problems
 
 
 def fence_languages(text: str) -> list[str]:

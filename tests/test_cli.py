@@ -358,3 +358,23 @@ def test_ctrl_c_exits_130(tiny, tmp_path):
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1] == "echelon3: interrupted"
+
+
+def test_a_mistyped_config_name_gets_the_closest_file(tmp_path, capsys):
+    for name in ("digits_cnn", "digits_mlp", "other"):
+        (tmp_path / f"{name}.yaml").write_text("seed: 0\n")
+    last = assert_user_error(in_process(capsys, "train", "-cd", str(tmp_path), "-cn", "digits_cn"))
+    assert last == (f"echelon3: error: --config-name: no digits_cn.yaml in {tmp_path} (did you "
+                    "mean 'digits_cnn'?); configs there: digits_cnn, digits_mlp, other"), last
+    last = assert_user_error(in_process(capsys, "train", "-cd", str(tmp_path), "-cn", "zzz"))
+    assert "did you mean" not in last and last.endswith("digits_cnn, digits_mlp, other"), last
+
+
+@pytest.mark.parametrize("argv,meant", [(["trian"], "train"), (["evalute"], "evaluate"),
+                                        (["profiles", "instal"], "install")])
+def test_a_mistyped_subcommand_gets_the_closest_one(argv, meant, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "-cd", ".", "-cn", "x"] if len(argv) == 1 else argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].endswith(f"(did you mean '{meant}'?)"), err

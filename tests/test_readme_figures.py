@@ -28,8 +28,11 @@ def test_readme_table_is_the_scripts_output_between_its_markers():
     config = yaml.safe_load((REPO / "config/config.yaml").read_text())
     names = [re.match(r"\| `([^`]+)`", line).group(1) for line in region[2:-3]]
     assert names == list(config["experiments"])
-    assert re.fullmatch(r"Measured \d{4}-\d{2}-\d{2} on \d+ CPU cores, torch \S+, by "
+    assert re.fullmatch(r"Measured \d{4}-\d{2}-\d{2} on \d+ CPU cores \(load average "
+                        r"[\d.]+ at the start, [\d.]+ at the end\), torch \S+, by one run of "
                         r"`python benchmarks/readme_figures.py` .*", region[-1])
+    # one total for the workflow on the page: this table's
+    assert len(re.findall(r"\d+ s in all", figures.PAGE.read_text())) == 1
 
 
 def test_the_script_writes_what_the_runs_left(tmp_path):
@@ -40,8 +43,9 @@ def test_the_script_writes_what_the_runs_left(tmp_path):
     (tmp_path / "results/a/summary.json").write_text(json.dumps(
         {"epochs": 10, "elapsed_s": 12.4, "best": {"epoch": 7}}))
     (tmp_path / "results/a/metrics.json").write_text(json.dumps({"accuracy": 0.99555}))
-    text = figures.table(tmp_path, 31.2, 20.4)
+    text = figures.table(tmp_path, 31.2, 20.4, (1.25, 3.5))
     assert "| `a` (10 epochs) | 12 s | 0.9956 | 7 |" in text
+    assert "(load average 1.2 at the start, 3.5 at the end)" in text
     assert "| 31 s in all (20 s of CPU) |" in text
     readme = tmp_path / "README.md"
     readme.write_text(f"before\n{figures.START}\nold\n{figures.END}\nafter\n")

@@ -4,6 +4,7 @@ Snakemake's SLURM executor plugin runs a workflow on it."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -167,3 +168,54 @@ def test_snakemake_slurm_executor(slurm_cluster, tmp_path):
     assert (tmp_path / "out/cpu.txt").read_text().startswith("job="), detail
     (report,) = _report_values((tmp_path / "out/gpu.txt").read_text())
     assert report["cvd"] in ("0", "1"), detail
+
+
+# A site configuration naming a controller that does not answer.
+DECOY_CONF = """\
+ClusterName=decoy
+SlurmctldHost=decoy(127.0.0.1)
+SlurmctldPort=9
+AuthType=auth/munge
+NodeName=decoy CPUs=1 State=UNKNOWN
+PartitionName=decoy Nodes=decoy Default=YES State=UP
+"""
+
+
+@pytest.fixture
+def decoy_site_config():
+    """/etc/slurm/slurm.conf replaced by DECOY_CONF for one test; the machine's own
+    file (or its absence) comes back afterwards, whatever the test did."""
+    folder = Path("/etc/slurm")
+    conf = folder / "slurm.conf"
+    made_folder = not folder.exists()
+    saved = conf.with_name("slurm.conf.echelon3-tests-saved")
+    had_conf = conf.exists()
+    folder.mkdir(exist_ok=True)
+    if had_conf:
+        conf.replace(saved)
+    try:
+        conf.write_text(DECOY_CONF)
+        yield conf
+    finally:
+        conf.unlink(missing_ok=True)
+        if had_conf:
+            saved.replace(conf)
+        elif made_folder:
+            folder.rmdir()
+
+
+def test_a_site_slurm_conf_does_not_reach_the_tests(slurm_cluster, tmp_path, decoy_site_config):
+    """With a decoy /etc/slurm/slurm.conf a client without SLURM_CONF fails, and yet a
+    Snakemake SLURM job (sbatch, squeue, the jobstep's own srun inside the job) runs."""
+    bare = {k: v for k, v in slurm_cluster.env.items() if k != "SLURM_CONF"}
+    bare["PATH"] = "/usr/bin:/bin"
+    decoyed = run_bounded(["sinfo", "-h"], JOB_TIMEOUT_S, env=bare)
+    assert decoyed.returncode != 0, decoyed.stdout  # the decoy is in effect
+    (tmp_path / "Snakefile").write_text(SNAKEFILE)
+    args = [sys.executable, "-m", "snakemake", *SNAKEMAKE_SLURM_ARGS, "-j1",
+            "--directory", str(tmp_path), "--snakefile", str(tmp_path / "Snakefile"),
+            "out/cpu.txt"]
+    result = run_bounded(args, SNAKEMAKE_TIMEOUT_S, env=slurm_cluster.env, cwd=tmp_path)
+    detail = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == 0, detail
+    assert (tmp_path / "out/cpu.txt").read_text().startswith("job="), detail

@@ -27,9 +27,10 @@ default one from ``sinfo``. Jobs inherit the submitting environment
 (``--export=ALL``), so the interpreter running Snakemake must come first on
 ``PATH`` (``cluster.env`` does that). Inside a job the plugin's jobstep
 executor strips every ``SLURM_*`` variable, ``SLURM_CONF`` too, before its
-inner ``srun``; that ``srun`` finds the cluster only because slurmd runs
-configless and links ``/run/slurm/conf`` (``/etc/slurm/slurm.conf`` would win
-over it). Status polls come 2 s after submission, then every +10 s while
+inner ``srun``; so ``cluster.env`` puts the cluster's client wrappers first on
+``PATH`` (``<dir>/bin/srun`` etc., each setting ``SLURM_CONF``), and every
+client call of the tests reaches this cluster, inside jobs too, whatever
+``/etc/slurm/slurm.conf`` says. Status polls come 2 s after submission, then every +10 s while
 nothing finishes, so a two-rule workflow of short jobs takes about 17 s.
 """
 
@@ -174,12 +175,14 @@ class SlurmCluster:
 
 
 def client_env(conf: Path) -> dict[str, str]:
-    """The current environment minus SLURM job variables, plus SLURM_CONF,
-    with this interpreter's folder first on PATH (jobs inherit it)."""
+    """The current environment minus SLURM job variables, plus SLURM_CONF, with the
+    cluster's client wrappers (``bin/`` beside ``etc/``: each sets SLURM_CONF itself)
+    and this interpreter's folder first on PATH (jobs inherit it)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_FOREIGN_PREFIXES)}
     env["SLURM_CONF"] = str(conf)
+    wrappers = str(conf.parent.parent / "bin")
     bindir = str(Path(sys.executable).parent)
-    env["PATH"] = os.pathsep.join([bindir, env.get("PATH", "/usr/bin:/bin")])
+    env["PATH"] = os.pathsep.join([wrappers, bindir, env.get("PATH", "/usr/bin:/bin")])
     return env
 
 

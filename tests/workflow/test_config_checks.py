@@ -112,3 +112,12 @@ def test_sweep_keys_must_end_in_distinct_names(tmp_path):
     }}})
     assert (FILE + "sweeps.s.grid: 'optimizer.config.lr' and 'net.config.lr' both end in 'lr'"
             in failing(wf, "-n").stdout)
+
+
+def test_a_config_error_is_one_line_without_snakemake_frames(tmp_path):
+    wf = copy_workflow(tmp_path, shipped_with(lambda c: c.update(leaderbord=c.pop("leaderboard"))))
+    out = failing(wf, "-n").stdout
+    told = [line for line in out.splitlines() if "leaderbord" in line]
+    assert told == [FILE + "leaderbord: unknown key (did you mean 'leaderboard'?); known here: "
+                    "config_dir, experiments, sweeps, leaderboard"], out
+    assert 'File "' not in out and "WorkflowError" not in out, out

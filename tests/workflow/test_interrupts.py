@@ -1,6 +1,7 @@
 """Off the happy path under plain `snakemake -j1`: Ctrl-C and a hard kill during
-training, each followed by a plain rerun that continues from the checkpoint, and
-a failed job whose echelon3 error reaches the console."""
+training, each followed by a plain rerun that continues from the checkpoint, a
+signal to the Snakemake process alone, and a failed job whose echelon3 error
+reaches the console."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from tests.workflow.helpers import (DRY_S, RUN_S, checkpoint_epochs, cmdline, copy_workflow,
                                     descendants, env_with, experiment, failing, resumed_epoch,
@@ -71,6 +73,38 @@ def test_ctrl_c_and_a_hard_kill_then_a_plain_rerun_finishes_from_the_checkpoint(
         set(range(1, EPOCHS + 1))
     assert (folder / "metrics.json").is_file()
     assert "Nothing to be done" in snakemake(wf, "-n")
+
+
+def test_a_signal_to_snakemake_alone_stops_training_at_once(tmp_path):
+    """`kill -INT <snakemake>` and then `kill -TERM <snakemake>` from another shell: each
+    time training stops within seconds (130, then a checkpoint and 75), Snakemake exits
+    non-zero and no process is left; the second run resumed from the first."""
+    wf = copy_workflow(tmp_path, {"experiments": {
+        "mlp": experiment("digits_mlp", f"trainer.config.epochs={EPOCHS}")}})
+    folder, log = wf / "results/mlp", wf / "logs/train/mlp.log"
+    for sig, says in ((signal.SIGINT, "echelon3: interrupted"),
+                      (signal.SIGTERM, "preempted (SIGTERM)")):
+        run = start(wf)
+        try:
+            before = max(checkpoint_epochs(folder) or [0])
+            wait_for(lambda: max(checkpoint_epochs(folder) or [0]) > before, RUN_S,
+                     "a checkpoint", run)
+            below = descendants(run.pid)
+            os.kill(run.pid, sig)  # Snakemake only, not its process group
+            sent = time.monotonic()
+            out = run.communicate(timeout=DRY_S)[0]
+            took = time.monotonic() - sent
+        finally:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+                run.wait()
+        assert run.returncode != 0, out
+        assert took < 30, f"{sig.name}: Snakemake took {took:.0f} s to stop"
+        assert says in log.read_text(), log.read_text()[-3000:]
+        assert max(checkpoint_epochs(folder)) < EPOCHS, "training ran to its end"
+        assert not [pid for pid in below if cmdline(pid)], [cmdline(p) for p in below]
+    assert resumed_epoch(log) > 0
+    assert not (folder / "summary.json").exists()
 
 
 def test_a_failed_job_shows_echelon3_error_line_on_the_console(tmp_path):

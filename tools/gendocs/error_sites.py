@@ -10,7 +10,9 @@ The scan covers the package, the workflow's helpers (``workflow/rules/*.smk``,
 - ``ValueError`` / ``TypeError`` / ``RuntimeError`` raised by the constructor of
   a built-in component: the builder turns it into a one-line error naming the
   section, exit code 2; raised anywhere else: a traceback, exit code 1;
-- ``WorkflowError`` and ``ValueError`` of the workflow: Snakemake stops with it.
+- ``WorkflowError`` and ``ValueError`` of the workflow: Snakemake stops with it;
+  ``config_error(message)`` (workflow/rules/checks.smk): the workflow stops with
+  that one line.
 
 Parts computed at run time show as ``<name>`` (a variable) or ``…``.
 """
@@ -137,6 +139,9 @@ def user_error_classes(trees: dict[str, ast.Module]) -> set[str]:
     return names
 
 
+STOP_WORKFLOW = "config_error"  # the workflow's one-line stop (workflow/rules/checks.smk)
+
+
 def _functions(tree: ast.Module):
     """(qualified name, class name or None, function node) for every function."""
     for node in tree.body:
@@ -160,6 +165,8 @@ def _classify(source: str, kind: str, args: list[ast.expr], cls: str | None, fun
     if kind == "WorkerFailed":
         return f"echelon3: {render(args[0] if args else None)}", None
     if source.startswith("workflow/"):
+        if kind == STOP_WORKFLOW:
+            return render(args[0] if args else None), 1
         if kind in ("WorkflowError", "ValueError"):
             return f"{kind}: {render(args[0] if args else None)}", 1
         return None
@@ -175,8 +182,8 @@ def _raised(node: ast.AST, user_errors: set[str]):
     """Calls that make an error the user sees: any construction of a user error (it may
     be returned by a helper and raised elsewhere), other exceptions where raised."""
     for sub in ast.walk(node):
-        if isinstance(sub, ast.Call) and \
-                ast.unparse(sub.func).rsplit(".", 1)[-1] in user_errors | {"WorkerFailed"}:
+        if isinstance(sub, ast.Call) and ast.unparse(sub.func).rsplit(".", 1)[-1] in \
+                user_errors | {"WorkerFailed", STOP_WORKFLOW}:
             yield sub
         elif isinstance(sub, ast.Raise) and isinstance(sub.exc, ast.Call) and \
                 ast.unparse(sub.exc.func).rsplit(".", 1)[-1] not in user_errors:

@@ -1,12 +1,11 @@
 """Checks of config/config.yaml made before any job is planned. Each problem
-stops the workflow with one line that names the key at fault."""
+stops the workflow with one line that names the key at fault (config_error)."""
 
 from pathlib import Path
 
 import jsonschema
 import yaml
 from omegaconf import OmegaConf
-from snakemake.exceptions import WorkflowError
 from snakemake.logging import logger
 from snakemake.utils import validate
 
@@ -16,6 +15,14 @@ from echelon3.errors import UserError, did_you_mean
 _MISSING = object()
 
 CONFIG_FILE = ", ".join(map(str, workflow.configfiles)) or "config"
+
+
+def config_error(message):
+    """Stop with `message` alone. Snakemake prints an exception raised while it reads
+    the Snakefile with the Snakefile's frames (`File "Snakefile", line 16, ...`),
+    whatever its class; a mistake in the user's config is better told in one line."""
+    logger.error(message)
+    raise SystemExit(1)
 
 
 def _dotted(path):
@@ -56,7 +63,7 @@ def check_schema(cfg, schema_file):
     error = jsonschema.exceptions.best_match(validator.iter_errors(cfg))
     if error is not None:
         key, problem = _schema_problem(error)
-        raise WorkflowError(f"{CONFIG_FILE}: {key}: {problem}")
+        config_error(f"{CONFIG_FILE}: {key}: {problem}")
     validate(cfg, schema_file)
 
 
@@ -64,12 +71,12 @@ def check_config_files(cfg):
     """Every experiment and sweep names a config file that exists."""
     folder = Path(cfg["config_dir"])
     if not folder.is_dir():
-        raise WorkflowError(f"{CONFIG_FILE}: config_dir: no folder {folder}")
+        config_error(f"{CONFIG_FILE}: config_dir: no folder {folder}")
     names = sorted(p.stem for p in folder.glob("*.yaml"))
     for section in ("experiments", "sweeps"):
         for name, spec in cfg[section].items():
             if not (folder / f"{spec['config']}.yaml").is_file():
-                raise WorkflowError(
+                config_error(
                     f"{CONFIG_FILE}: {section}.{name}.config: "
                     f"no file {folder / spec['config']}.yaml"
                     f"{did_you_mean(spec['config'], names)}; "
@@ -86,13 +93,11 @@ def check_sweep_keys(cfg):
                 cfg["config_dir"], sweep["config"], sweep["overrides"]
             ).cfg
         except UserError as e:
-            raise WorkflowError(
-                f"{CONFIG_FILE}: sweeps.{name}: {sweep['config']}: {e}"
-            ) from None
+            config_error(f"{CONFIG_FILE}: sweeps.{name}: {sweep['config']}: {e}")
         leaves = list(flatten(OmegaConf.to_container(composed, resolve=False)))
         for key in sweep["grid"]:
             if OmegaConf.select(composed, key, default=_MISSING) is _MISSING:
-                raise WorkflowError(
+                config_error(
                     f"{CONFIG_FILE}: sweeps.{name}.grid.{key}: "
                     f"{sweep['config']} has no key '{key}'"
                     f"{did_you_mean(key, leaves)}; add it with an override "
