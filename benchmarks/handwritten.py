@@ -65,8 +65,10 @@ def main(argv: list[str]) -> None:
     loader_args = dict(num_workers=w.num_workers, pin_memory=w.pin_memory)
     if w.num_workers:
         loader_args.update(prefetch_factor=2, multiprocessing_context="fork")
+    # The loader's own generator draws its workers' base seed, as echelon3's train loader.
     train_loader = DataLoader(train_set, batch_size=w.batch_size, sampler=sampler,
-                              drop_last=w.drop_last, **loader_args)
+                              drop_last=w.drop_last, generator=torch.Generator().manual_seed(0),
+                              **loader_args)
     test_loader = DataLoader(test_set, batch_size=w.test_batch_size, **loader_args)
     criterion = torch.nn.CrossEntropyLoss()
     metrics = make_metrics(w.metrics, device)
