@@ -110,8 +110,10 @@ def test_sweep_keys_must_end_in_distinct_names(tmp_path):
                  "net.config.lr": [1]},
         "overrides": ["+net.config.lr=0"],
     }}})
-    assert (FILE + "sweeps.s.grid: 'optimizer.config.lr' and 'net.config.lr' both end in 'lr'"
-            in failing(wf, "-n").stdout)
+    out = failing(wf, "-n").stdout
+    assert FILE + "sweeps.s.grid: 'optimizer.config.lr' and 'net.config.lr' both end in 'lr'" \
+        in out
+    assert 'File "' not in out and "WorkflowError" not in out, out  # one line, no frames
 
 
 def test_a_config_error_is_one_line_without_snakemake_frames(tmp_path):

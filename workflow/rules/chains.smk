@@ -19,7 +19,7 @@ def _parents(cfg):
             if parent is None:
                 continue
             if parent not in EXPERIMENTS:
-                raise WorkflowError(
+                config_error(
                     f"{CONFIG_FILE}: {section}.{name}.init_from: no experiment named "
                     f"'{parent}' (experiments: {', '.join(sorted(EXPERIMENTS))})"
                 )
@@ -34,7 +34,7 @@ def _refuse_cycles(parents):
             chain.append(parents[chain[-1]])
             if chain[-1] in chain[:-1]:
                 loop = chain[chain.index(chain[-1]) :]
-                raise WorkflowError(
+                config_error(
                     f"{CONFIG_FILE}: init_from makes a cycle: {' -> '.join(loop)}; "
                     "an experiment cannot start from its own descendants"
                 )

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pandas as pd
 import yaml
-from snakemake.exceptions import WorkflowError
 from snakemake.utils import Paramspace
 
 CONFIG_DIR = Path(config["config_dir"])
@@ -51,12 +50,12 @@ def _sweep_experiments(sweep_name, sweep):
     for key, label in zip(keys, labels):
         where = f"{CONFIG_FILE}: sweeps.{sweep_name}.grid"
         if label in seen:
-            raise WorkflowError(
+            config_error(
                 f"{where}: '{seen[label]}' and '{key}' both end in '{label}', "
                 "which names the experiments; sweep them in two sweeps",
             )
         if keyword.iskeyword(label):
-            raise WorkflowError(f"{where}: '{key}' ends in a Python keyword")
+            config_error(f"{where}: '{key}' ends in a Python keyword")
         seen[label] = key
     points = pd.DataFrame(
         list(itertools.product(*sweep["grid"].values())), columns=labels, dtype=object
@@ -78,7 +77,7 @@ def _check_launcher(where, resources):
     if resources["launcher"] != "srun":
         return
     if resources["gpus"] < 1 and resources["nodes"] < 2:
-        raise WorkflowError(
+        config_error(
             f"{CONFIG_FILE}: {where}.resources.launcher: srun starts one task per GPU (one "
             "per node on the CPU); set resources.gpus to 1 or more, or resources.nodes "
             "to 2 or more, or drop the launcher"
@@ -96,7 +95,7 @@ def _experiments(cfg):
     }
     for sweep_name, sweep in cfg["sweeps"].items():
         if sweep_name in experiments:
-            raise WorkflowError(
+            config_error(
                 f"{CONFIG_FILE}: sweeps.{sweep_name}: "
                 "an experiment has the same name; rename one of them",
             )
@@ -105,7 +104,7 @@ def _experiments(cfg):
         for name, spec in cfg[section].items():
             _check_launcher(f"{section}.{name}", spec["resources"])
     if not experiments:
-        raise WorkflowError(
+        config_error(
             f"{CONFIG_FILE}: experiments: none listed; "
             "list at least one under 'experiments:' or 'sweeps:'"
         )
