@@ -58,11 +58,6 @@ class Stepping:
         self.losses: list[Mapping[str, torch.Tensor]] = []  # the open window's micro-batches
         self._started = False
 
-    @property
-    def pending(self) -> int:
-        """Micro-batches in the open window."""
-        return len(self.losses)
-
     def window(self, index: int, total: int) -> tuple[float, bool]:
         """(loss scale, closes the window?) for micro-batch ``index`` (0-based) of ``total``."""
         start = index - index % self.steps
