@@ -6,6 +6,7 @@ DDP, whether a rank received a preemption signal. :meth:`LogPoint.exchange`
 starts one asynchronous all-reduce over all of it and returns what the previous
 log point started, read now: by then the device has long finished it, so the
 host never waits for the device and no step but a log point runs a collective.
+(On the CPU, under gloo, the all-reduce runs at once: there is no device queue.)
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ class LogPoint:
         names = list(values)
         sizes = [values[n].numel() for n in names]
         flat = torch.cat([values[n].detach().float().reshape(-1) for n in names])
-        work = tdist.all_reduce(flat, async_op=True) if get_world_size() > 1 else None
+        work = None
+        if get_world_size() > 1 and flat.is_cuda:  # NCCL: queued behind the step, read later
+            work = tdist.all_reduce(flat, async_op=True)
+        elif get_world_size() > 1:  # gloo on the CPU: no device queue to wait behind
+            tdist.all_reduce(flat)
         self._pending = (record, names, sizes, flat, work)
         return previous
 
