@@ -250,7 +250,7 @@ class Trainer(Validation):
             self.position.step = i
             profiled = self.profiler.step() or profiled
             if decision == WAIT:
-                if get_world_size() == 1 and preemption.requested():
+                if self._stop_requested():
                     self._preempt(epoch)
                 continue
             if self.global_step % self.log_every == 0 and i < steps:
@@ -258,7 +258,7 @@ class Trainer(Validation):
             if -(-i // self.stepping.steps) in validate_at:
                 with clock.aside():
                     self.validate(epoch + 1)
-            if self._stop or (get_world_size() == 1 and preemption.requested()):
+            if self._stop_requested():
                 self._preempt(epoch)
             if profiled:
                 log.info("stopping after the profiled batches (trainer.config.profile."
@@ -271,6 +271,10 @@ class Trainer(Validation):
         if self._stop:
             self._preempt(epoch)
         return profiled
+
+    def _stop_requested(self) -> bool:
+        """Step 7: one process stops on its own signal; ranks on the log point's flag."""
+        return self._stop or (get_world_size() == 1 and preemption.requested() is not None)
 
     def _preempt(self, epoch: int) -> None:
         """Checkpoint the epoch in progress (every rank takes part) and stop."""
