@@ -300,13 +300,6 @@ def build_optimizer(cfg, params, config_dir: Path | None = None):
     return instantiate(cfg.optimizer, "optimizer", config_dir, params=params)
 
 
-def build_scheduler(cfg, optimizer, config_dir: Path | None = None):
-    """``scheduler`` (optional): injects ``optimizer=``; stepped once per epoch."""
-    if cfg.get("scheduler") is None:
-        return None
-    return instantiate(cfg.scheduler, "scheduler", config_dir, optimizer=optimizer)
-
-
 def with_default_type(node: Any, key: str, module: str, type_: str) -> dict:
     """A section whose ``module``/``type`` may be left out in favour of a built-in.
 

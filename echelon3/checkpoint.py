@@ -32,6 +32,9 @@ BEST = "best.tar"
 # declared output before rerunning a job must not destroy the best weights.
 KEPT_BEST = ".best.tar"
 _ROLLING = re.compile(r"^checkpoint-(\d+)(?:-step(\d+))?\.tar$")
+# With trainer.config.ema: "model_state_dict" holds the average (what evaluate, export
+# and finetune load) and this key the weights training goes on from.
+TRAINING_WEIGHTS = "training_model_state_dict"
 
 
 def _drop_leading(key: str, prefix: str) -> str:

@@ -12,6 +12,7 @@ run started from this one's weights (``init_from``), or
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
 from omegaconf import OmegaConf
@@ -24,6 +25,8 @@ CHOICES = (None, KEEP_SCHEDULE)
 # Scheduler arguments that fix how many epochs (or steps) the schedule lasts.
 LENGTH_ARGUMENTS = ("T_max", "total_steps", "total_iters", "epochs")
 EPOCHS_KEY = "trainer.config.epochs"
+# The run's own lengths a scheduler argument may name (echelon3.schedulers).
+RUN_LENGTHS = re.compile(r"\b(epochs|total_steps)\b")
 DEFAULT_EPOCHS = 10  # the built-in Trainer's
 
 
@@ -49,7 +52,7 @@ def _length_settings(node: Any, key: str):
     elif isinstance(node, list):
         for i, v in enumerate(node):
             yield from _length_settings(v, f"{key}[{i}]")
-    elif isinstance(node, str) and EPOCHS_KEY in node:
+    elif isinstance(node, str) and (EPOCHS_KEY in node or RUN_LENGTHS.search(node)):
         yield f"{key} ({node})"
 
 

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from omegaconf import OmegaConf
 
+from echelon3 import schedulers
 from echelon3.arguments import check_arguments
 from echelon3.build import is_spec, iter_specs, resolve_type, to_plain, with_default_type
 from echelon3.errors import BuildError
@@ -24,7 +25,7 @@ INJECTED = {
     "evaluator": ("path",), "runner": ("path",),
     "trainer": ("net", "losses", "optimizer", "scheduler", "train_loader", "test_loaders",
                 "metrics", "checkpoints", "logger", "precision", "device", "named_sets",
-                "resume_state", "extra_state"),
+                "resume_state", "extra_state", "scheduler_interval"),
 }
 # Sections whose ``module``/``type`` may be left out, and the built-in used then.
 BUILT_IN = {
@@ -73,6 +74,8 @@ def check_specs(cfg, config_dir: Path | None = None, skip: tuple[str, ...] = (),
         if missing:
             raise BuildError(missing[0], "has no value ('???'); set it in the YAML or with "
                              f"{missing[0]}=...")
+        if section == "scheduler":
+            node = schedulers.with_lengths(node)  # lengths like ``total_steps - 500``
         dropped = tuple((consumed or {}).get(section, ()))
         for key, spec, prefix in _section_specs(str(section), node, dropped):
             target = resolve_type(spec, key, config_dir)

@@ -58,9 +58,11 @@ def trained_line(epochs: int, before: int, elapsed: float) -> str:
     return f"trained {which} (resumed after epoch {before}) in {elapsed:.1f} s"
 
 
-def finish(folder: Path, epochs: int, started: float, before: int = 0) -> dict | None:
+def finish(folder: Path, epochs: int, started: float, before: int = 0,
+           stopped: str | None = None) -> dict | None:
     """Write ``summary.json`` and log the closing block (rank 0); the summary.
-    ``epochs``: done in all; ``before``: done before this attempt."""
+    ``epochs``: done in all; ``before``: done before this attempt; ``stopped``: why
+    early stopping ended the run, if it did."""
     if not is_main():
         return None
     best = best_checkpoint(folder)
@@ -69,7 +71,8 @@ def finish(folder: Path, epochs: int, started: float, before: int = 0) -> dict |
     summary = {"epochs": epochs, "epochs_trained": max(epochs - before, 0), "best": best,
                "elapsed_s": round(time.time() - started, 1),
                "files": sorted(files, key=_natural),
-               "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+               "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               **({"stopped_early": stopped} if stopped else {})}
     atomic_write_text(folder / SUMMARY, json.dumps(summary, indent=2) + "\n")
     if best is None:
         best_line = "no validation result"
@@ -77,8 +80,10 @@ def finish(folder: Path, epochs: int, started: float, before: int = 0) -> dict |
         scores = " | ".join(f"{k} {v:.4f}" for k, v in best["metrics"].items())
         best_line = (f"epoch {best['epoch']} (step {best['step']}, "
                      f"{describe(best['selected_on'])}): {scores}")
-    log.info("%s\n  best     %s\n  written  %s%s: %s",
-             trained_line(epochs, before, summary["elapsed_s"]), best_line, folder, os.sep,
+    log.info("%s%s\n  best     %s\n  written  %s%s: %s",
+             "nothing trained: the run had stopped early" if stopped and epochs <= before
+             else trained_line(epochs, before, summary["elapsed_s"]),
+             f"\n  {stopped}" if stopped else "", best_line, folder, os.sep,
              ", ".join(summary["files"]))
     return summary
 

@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from echelon3 import __version__, build, preemption, splits
+from echelon3 import __version__, build, preemption, schedulers, splits
 from echelon3 import lock as run_lock
-from echelon3.checkpoint import (BEST, KEPT_BEST, CheckpointManager, atomic_write_text,
-                                 load_weights)
+from echelon3.checkpoint import (BEST, KEPT_BEST, TRAINING_WEIGHTS, CheckpointManager,
+                                 atomic_write_text, load_weights)
 from echelon3.config import RunConfig, changed_keys, require
 from echelon3.ddp import DDP_KEYS, check_settings, wrap
 from echelon3.dist import is_main
@@ -187,7 +187,9 @@ def assemble_and_fit(rc: RunConfig, device, launcher):
     path, state = find_resume_state(cfg, checkpoints, fp) or (None, None)
     if state is not None:
         check_extension(cfg, state, settings["extend"])
-        load_weights(net, state, path)
+        # With EMA, training goes on from the training weights, not the average.
+        load_weights(net, {"model_state_dict": state.get(TRAINING_WEIGHTS)
+                           or state["model_state_dict"]}, path)
     else:
         warm.load(net)
     net.to(device)
@@ -195,7 +197,9 @@ def assemble_and_fit(rc: RunConfig, device, launcher):
     metrics = build.build_metrics(cfg, rc.config_dir, device=device)
     optimizer = build.build_optimizer(cfg, params, rc.config_dir)
     scale_group_lrs(optimizer)
-    scheduler = build.build_scheduler(cfg, optimizer, rc.config_dir)
+    scheduler = schedulers.build(cfg, optimizer, rc.config_dir,
+                                 steps_per_epoch=steps_per_epoch(cfg, train_loader),
+                                 epochs=planned_epochs(cfg))
     precision = Precision.from_config(device, settings["precision"], settings["tf32"],
                                       settings["cudnn_benchmark"],
                                       closure=is_closure_optimizer(optimizer))
@@ -218,12 +222,19 @@ def assemble_and_fit(rc: RunConfig, device, launcher):
         optimizer=optimizer, scheduler=scheduler, train_loader=train_loader,
         test_loaders=val_loaders, metrics=metrics, checkpoints=checkpoints, logger=logger,
         precision=precision, device=device, named_sets=named, resume_state=state,
+        scheduler_interval=schedulers.interval(cfg),
         extra_state=run_record(cfg, fp))
     try:
         trainer.fit()
     finally:
         logger.close()
     return trainer, int(state["epoch"]) if state is not None else 0
+
+
+def steps_per_epoch(cfg, train_loader) -> int:
+    """Optimizer steps in one epoch on one rank (accumulation windows)."""
+    accum = int(((cfg.trainer.get("config") or {}).get("grad_accum_steps")) or 1)
+    return -(-len(train_loader) // max(accum, 1))
 
 
 def run_record(cfg, fp: str) -> dict:
@@ -250,4 +261,5 @@ def _train(rc: RunConfig, device, launcher) -> None:
     except BaseException:
         forget_unfinished(folder, started)
         raise
-    finish(folder, getattr(trainer, "epoch", 0), started, before=before)
+    finish(folder, getattr(trainer, "epoch", 0), started, before=before,
+           stopped=trainer.stopped_early() if hasattr(trainer, "stopped_early") else None)

@@ -10,9 +10,11 @@ What happens for each micro-batch, in this order (the one place it is written):
 3. :meth:`Stepping.decide <echelon3.trainers.stepping.Stepping.decide>`: ``wait``
    (window open), ``step`` or ``skip`` (``nan_policy: skip`` and a non-finite
    loss in the window on some rank).
-4. When the window closed: the optimizer steps (``step``) or the window's
-   gradients are dropped (``skip``); ``global_step`` counts the window; its
-   losses go to the non-finite guard and to the running means (not when skipped).
+4. When the window closed: ``step``: gradient clipping (fp16: unscaled first),
+   the optimizer steps, the EMA of the weights moves; ``skip``: the window's
+   gradients are dropped. ``global_step`` counts the window, a per-step
+   scheduler steps, and the window's losses go to the non-finite guard and to
+   the running means (not when skipped).
 5. At a log point (every ``log_every_n_steps`` optimizer steps, and at the end
    of the epoch): one collective starts (losses, non-finite flag, preemption
    flag under DDP) and the previous log point's is read: its train record is
@@ -25,8 +27,9 @@ What happens for each micro-batch, in this order (the one place it is written):
 8. The profiler counts the micro-batch; ``profile.stop_after`` ends the run at
    the end of a window.
 
-After the epoch the scheduler steps, validation runs and the epoch's checkpoint
-is written. The hot loop never waits for the device (reads happen one log point
+After the epoch a per-epoch scheduler steps, validation runs (on the EMA
+weights when on), early stopping looks at it, and the epoch's checkpoint is
+written. The hot loop never waits for the device (reads happen one log point
 later) and runs no collective outside log points, except DDP's gradient
 all-reduce and, under ``nan_policy: skip``, one flag per optimizer step.
 Mid-epoch state has one home, :mod:`echelon3.trainers.state`.
@@ -44,13 +47,16 @@ from tqdm import tqdm  # not tqdm.auto: its asyncio variant opens every loader t
 from echelon3 import preemption
 from echelon3.batches import split_batch, to_device, weighted_loss
 from echelon3.bottleneck import EpochClock, is_compiled
-from echelon3.checkpoint import strip_prefixes
+from echelon3.checkpoint import TRAINING_WEIGHTS, strip_prefixes
 from echelon3.dist import all_gather_object, get_rank, get_world_size, unwrap
 from echelon3.optimizers.closure import is_closure_optimizer
 from echelon3.profiling import Profiler
 from echelon3.rng import restore_for_rank, rng_state
 from echelon3.runtime import interrupted
 from echelon3.samples import naming_bad_labels
+from echelon3.trainers.clipping import GradientClipping
+from echelon3.trainers.early_stopping import EarlyStopping
+from echelon3.trainers.ema import EMA
 from echelon3.trainers.logpoint import LogPoint
 from echelon3.trainers.nonfinite import NonFiniteGuard
 from echelon3.trainers.running import RunningLosses
@@ -72,7 +78,9 @@ class Trainer(Validation):
                  metrics_on: str | Sequence[str] | None = None, float_labels: bool = False,
                  log_every_n_steps: int = 50, progress_bar: bool = True,
                  nan_policy: str = "stop", grad_accum_steps: int = 1,
-                 profile: Mapping | None = None):
+                 profile: Mapping | None = None, scheduler_interval: str = "epoch",
+                 gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm",
+                 early_stopping: Mapping | None = None, ema: Mapping | None = None):
         if int(epochs) < 1 or int(times_to_validate_per_epoch) < 1:
             raise ValueError("epochs and times_to_validate_per_epoch must be at least 1")
         self.net, self.losses, self.optimizer = net, losses, optimizer
@@ -87,7 +95,15 @@ class Trainer(Validation):
         self.stepping = Stepping(grad_accum_steps, self.nonfinite, precision, self._params,
                                  self.closure)
         self.profiler = Profiler(profile, checkpoints.path)
+        self.interval = scheduler_interval
+        self.clipping = GradientClipping(gradient_clip_val, gradient_clip_algorithm, precision,
+                                         self.closure, device)
+        self.ema = EMA(unwrap(net), ema) if ema else None
         self.setup_validation(metrics_on, keep_best_on, high_is_better, progress_bar)
+        first = self.keep_best.criteria[0]
+        self.early = EarlyStopping(early_stopping, first.name, first.high) \
+            if early_stopping else None
+        self._lr = optimizer.param_groups[0]["lr"]  # of the last optimizer step
         self.epoch, self.global_step = 0, 0
         self.move = torch.device(device).type != "cpu"  # batches already sit on the CPU
         single = len(losses) == 1 and next(iter(losses.values()))[1] == 1
@@ -96,7 +112,8 @@ class Trainer(Validation):
         self._stop = False  # a rank received a preemption signal (read at a log point)
         self.position = EpochPosition()
         self.mid_epoch = MidEpoch(position=self.position, nonfinite=self.nonfinite,
-                                  stepping=self.stepping, running=self.running)
+                                  stepping=self.stepping, running=self.running,
+                                  clipping=self.clipping)
         self._bar = None
         self._resume_rng = None  # (every rank's RNG states, rank 0's) to restore at fit
         if resume_state is not None:
@@ -106,8 +123,12 @@ class Trainer(Validation):
 
     def state_dict(self) -> dict[str, Any]:
         """An epoch checkpoint (a collective: every rank's RNG states are gathered)."""
+        weights = strip_prefixes(unwrap(self.net).state_dict())
         return {
-            "model_state_dict": strip_prefixes(unwrap(self.net).state_dict()),
+            # What evaluate, export and finetune load: the EMA weights when on.
+            "model_state_dict": self.ema.state_dict() if self.ema else weights,
+            **({TRAINING_WEIGHTS: weights} if self.ema else {}),
+            "early_stopping": self.early.state_dict() if self.early else None,
             "optimizer_state_dict": self.optimizer.state_dict(),
             "scheduler_state_dict": self.scheduler.state_dict() if self.scheduler else None,
             "scaler_state_dict": self.precision.state_dict(),
@@ -129,8 +150,16 @@ class Trainer(Validation):
         self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
         self.best_metrics = state.get("best_metrics")
         self.last_metrics = dict(state.get("metrics") or {})
+        if self.ema is not None:
+            self.ema.load_state_dict(state["model_state_dict"])
+        if self.early is not None and state.get("early_stopping"):
+            self.early.load_state_dict(state["early_stopping"])
         if not self.mid_epoch.load(state, get_rank()):
             self._resume_rng = (state.get("rng_states"), state["rng_state"])
+
+    def stopped_early(self) -> str | None:
+        """Why early stopping ended the run (None: it did not)."""
+        return self.early.reason() if self.early is not None else None
 
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -179,15 +208,25 @@ class Trainer(Validation):
             decision = self.stepping.decide(parts, last)
             if decision == STEP:
                 with self.profiler.label("optimizer"):
+                    self.clipping.clip(self.optimizer, self._params())
                     self.precision.step(self.optimizer)
                     self.optimizer.zero_grad(set_to_none=True)
         if decision != WAIT:
             losses = self.stepping.close(self.optimizer, decision)
             self.global_step += 1
+            self._after_step(decision)
             self.nonfinite.observe(self.epoch + 1, self.global_step, losses)
             for parts in losses:
                 self.running.add(parts)
         return decision
+
+    def _after_step(self, decision: str) -> None:
+        """Step 4's end: the EMA moves (a step taken), a per-step scheduler steps."""
+        if decision == STEP and self.ema is not None:
+            self.ema.update(unwrap(self.net), self.global_step)
+        self._lr = self.optimizer.param_groups[0]["lr"]
+        if self.interval == "step" and self.scheduler is not None:
+            self.scheduler.step()
 
     # ------------------------------------------------------------------ log points
 
@@ -200,7 +239,10 @@ class Trainer(Validation):
                                           device=self.device)
         if means is not None:
             values["losses"] = means
-        record = {"split": "train", "epoch": epoch, "step": self.global_step}
+        norms = self.clipping.take(get_world_size())
+        if norms is not None:
+            values["grad_norm"] = norms
+        record = {"split": "train", "epoch": epoch, "step": self.global_step, "lr": self._lr}
         self._act(self.logpoint.exchange(record if means is not None else None, values))
 
     def _flush_logs(self) -> None:
@@ -213,7 +255,8 @@ class Trainer(Validation):
         self.nonfinite.read(values["bad"][0])
         if record is not None:
             record = self.running.fill(record, values["losses"])
-            record["lr"] = self.optimizer.param_groups[0]["lr"]
+            if "grad_norm" in values:
+                record["grad_norm"] = self.clipping.read(values["grad_norm"])
             self.logger.log(record)
             if self._bar is not None:
                 self._bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
@@ -289,23 +332,30 @@ class Trainer(Validation):
             restore_for_rank(*self._resume_rng, get_rank(), get_world_size())
             self._resume_rng = None
         self.logger.rewind(self.global_step)
-        if self.epoch >= self.epochs:
+        if self.stopped_early():
+            log.info("nothing to train: %s", self.stopped_early())
+        elif self.epoch >= self.epochs:
             log.info("nothing to train: %d of %d epochs already done", self.epoch, self.epochs)
         clock = EpochClock(self.device, self.train_loader, compiled=is_compiled(self.net))
         start = self.epoch
         report_after = min(start + 1, self.epochs - 1)  # the first steady-state epoch
         self.profiler.start()
-        for epoch in range(self.epoch, self.epochs):
+        for epoch in range(self.epoch, self.epochs if not self.stopped_early() else 0):
             if self._train_epoch(epoch, clock):
                 break
-            if self.scheduler is not None:
+            if self.scheduler is not None and self.interval == "epoch":
                 self.scheduler.step()
             self.epoch = epoch + 1
             self.nonfinite.end_epoch(self.epoch)
             with clock.aside():
                 best = self.validate(self.epoch, save_best=False)
+                stop = self.early is not None and self.early.update(self.epoch,
+                                                                    self.last_metrics)
                 self.checkpoints.save_checkpoint(self.state_dict(), self.epoch, best=best)
             self._report_time(clock, first=epoch == report_after, warm=epoch > start)
+            if stop:
+                log.info("%s (trainer.config.early_stopping)", self.stopped_early())
+                break
         self.profiler.stop()
         self.checkpoints.ensure_best()
         self.nonfinite.end_fit()

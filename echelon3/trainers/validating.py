@@ -20,7 +20,7 @@ from echelon3.validation import evaluate_sets, metric_name
 log = logging.getLogger(__name__)
 
 # Keys of every history record; a loss or metric of that name would overwrite one.
-RESERVED = ("split", "epoch", "step", "lr")
+RESERVED = ("split", "epoch", "step", "lr", "grad_norm")
 
 
 def _check_names(losses: Mapping, metrics: Mapping) -> None:
@@ -61,8 +61,10 @@ class Validation:
         return names
 
     def evaluate(self) -> dict[str, float]:
-        """Validation through the network without its DDP wrapper, every rank on its shard."""
+        """Validation through the network without its DDP wrapper (the EMA weights when
+        ``trainer.config.ema`` is on), every rank on its shard."""
         net = self.net.module if isinstance(self.net, DistributedDataParallel) else self.net
+        net = self.ema.module if getattr(self, "ema", None) is not None else net
         return evaluate_sets(net, self.test_loaders, self.metrics, precision=self.precision,
                              device=self.device, losses=self.losses, named_sets=self.named_sets,
                              metric_sets=self.metric_sets, float_labels=self.float_labels,

@@ -1,0 +1,80 @@
+"""An exponential moving average of the weights: ``trainer.config.ema``.
+
+``{decay, every_n_steps: 1, warmup_steps: 0}``. After an optimizer step whose
+``global_step`` is a multiple of ``every_n_steps``, the average moves toward
+the weights: ``ema = decay * ema + (1 - decay) * weights``, buffers (batch-norm
+statistics) included. Until ``warmup_steps`` optimizer steps are done the
+average is the weights themselves (copied), so it does not start from the
+untrained network. Skipped windows (``nan_policy: skip``) change no weight and
+update nothing.
+
+With EMA on, validation, keep-best and ``best.tar`` use the averaged weights,
+so ``evaluate``, ``run``, ``export`` and ``finetune`` see them; epoch and
+preemption checkpoints keep the training weights and the average both
+(``ema_state_dict``), so a resumed run continues the same average.
+The update is one ``torch._foreach_lerp_`` over the floating-point tensors, as
+in :func:`torch.optim.swa_utils.get_ema_multi_avg_fn`, without
+``AveragedModel``'s read of its step counter, which would wait for the GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Mapping
+
+import torch
+
+from echelon3.errors import ConfigError
+
+KEY = "trainer.config.ema"
+SETTINGS = ("decay", "every_n_steps", "warmup_steps")
+
+
+def _setting(config: Mapping, name: str, default, kind):
+    value = config.get(name, default)
+    if not isinstance(value, kind) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{KEY}.{name}", f"must be a non-negative number, got {value!r}")
+    return value
+
+
+class EMA:
+    def __init__(self, net: torch.nn.Module, config: Mapping[str, Any]):
+        if not isinstance(config, Mapping):
+            raise ConfigError(KEY, "must be a mapping {decay, every_n_steps, warmup_steps}")
+        for name in config:
+            if name not in SETTINGS:
+                raise ConfigError(f"{KEY}.{name}", f"unknown key; ema takes "
+                                  f"{', '.join(SETTINGS)}")
+        if "decay" not in config:
+            raise ConfigError(f"{KEY}.decay", "is required (e.g. 0.999)")
+        self.decay = float(_setting(config, "decay", None, int | float))
+        if not 0 < self.decay < 1:
+            raise ConfigError(f"{KEY}.decay", f"must lie between 0 and 1, got {self.decay}")
+        self.every = int(_setting(config, "every_n_steps", 1, int)) or 1
+        self.warmup = int(_setting(config, "warmup_steps", 0, int))
+        self.module = copy.deepcopy(net).requires_grad_(False)  # the averaged network
+
+    @staticmethod
+    def _tensors(net: torch.nn.Module) -> list[torch.Tensor]:
+        return [t.detach() for t in (*net.parameters(), *net.buffers())]
+
+    def update(self, net: torch.nn.Module, global_step: int) -> None:
+        """After optimizer step ``global_step`` (1-based)."""
+        if global_step % self.every:
+            return
+        mine, theirs = self._tensors(self.module), self._tensors(net)
+        if global_step <= self.warmup:
+            torch._foreach_copy_(mine, theirs)
+            return
+        floats = [(a, b) for a, b in zip(mine, theirs) if a.is_floating_point()]
+        if floats:
+            torch._foreach_lerp_([a for a, _ in floats], [b for _, b in floats], 1 - self.decay)
+        for a, b in zip(mine, theirs):
+            if not a.is_floating_point():
+                a.copy_(b)  # step counters of batch norm: taken as they are
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.module.load_state_dict(state)
