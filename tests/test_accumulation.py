@@ -19,8 +19,8 @@ from echelon3.precision import Precision
 from echelon3.trainers.nonfinite import NonFiniteGuard
 from echelon3.trainers.stepping import Stepping
 from tests.conftest import run_cli
-from tests.helpers import (assert_same_tensors, blobs, echelon3, load, loader, make_trainer,
-                           write_config)
+from tests.helpers import (assert_same_tensors, blobs, echelon3, history, load, loader,
+                           make_trainer, write_config)
 
 TOLERANCE = 1e-6  # |w_accumulated - w_big_batch|, float32 summation order
 
@@ -103,17 +103,20 @@ def test_preempted_in_the_middle_of_a_window_resumes_exactly(tmp_path, own_handl
 
 
 def test_two_ranks_accumulating_equal_one_process_with_the_whole_batch(tmp_path):
-    """2 ranks x 2 micro-batches of 8 (global 16) == 1 process, batch 32. The 2-rank run is
+    """2 ranks x 2 micro-batches of 8 (global 16) == 1 process, batch 32, gradient clipping
+    on. The 2-rank run is
     preempted (ranks agree at a log point, so at a window's end) and resumed, and DDP's
     static graph is on, so its first iteration syncs inside a window (an all-reduce more):
     neither may change the result."""
     plain = {"net": {"config": {"dropout": 0.0}}, "optimizer": {"config": {"momentum": 0.0}},
              "dataloaders": {"train": {"config": {"shuffle": False}}},
-             "trainer": {"config": {"epochs": 1, "precision": "fp32"}}}
+             "trainer": {"config": {"epochs": 1, "precision": "fp32", "log_every_n_steps": 1,
+                                    "gradient_clip_val": 0.5}}}
     ranks = tmp_path / "ranks"
     write_config(ranks, {**plain, **preempting(0.0, epochs=1, grad_accum_steps=2,
                                                 ddp_static_graph=True, log_every_n_steps=1,
-                                                ddp_find_unused_parameters=False),
+                                                ddp_find_unused_parameters=False,
+                                                gradient_clip_val=0.5),
                          "dataloaders": {"train": {"config": {"shuffle": False,
                                                               "batch_size": 16}}}},
                  remove=("scheduler",))
@@ -135,6 +138,10 @@ def test_two_ranks_accumulating_equal_one_process_with_the_whole_batch(tmp_path)
     assert a["global_step"] == b["global_step"] == 192 // 32
     for key, value in b["model_state_dict"].items():
         assert torch.allclose(a["model_state_dict"][key], value, rtol=0, atol=TOLERANCE), key
+    # Clipping acted (norms above 0.5) alike on both: the ranks' averaged gradients.
+    norms = [[r["grad_norm"] for r in history(run / "out", "train")] for run in (ranks, single)]
+    assert len(norms[0]) == 6 and max(norms[1]) > 0.5
+    assert norms[0] == pytest.approx(norms[1], rel=1e-4)
 
 
 def test_ddp_all_reduces_once_per_window(tmp_path):

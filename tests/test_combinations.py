@@ -1,5 +1,6 @@
 """Where the trainer's features meet: precision x grad_accum_steps x nan_policy (with a
-planted NaN) x interruption x loader workers x ranks. Each combination, interrupted and
+planted NaN) x interruption x loader workers x ranks x recipe (``full``: warmup then
+cosine stepped per optimizer step, gradient clipping, EMA weights, early stopping). Each combination, interrupted and
 resumed, must end exactly as the uninterrupted run: the same exit code, the same epoch
 checkpoints, their weights, optimizer state and GradScaler state bit for bit, and the same
 history. (Nothing here changes a reduction order: a mid-window checkpoint carries each
@@ -20,6 +21,7 @@ import os
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from echelon3 import preemption
 from tests.conftest import run_cli
@@ -32,12 +34,24 @@ NAN_AT = {"skip": 4, "stop": STEPS + 4}  # stop: after the interruption, so both
 RESUBMIT, KILLED = 75, (-9, 1)  # one process dies of SIGKILL; the launcher reports 1
 
 
+LR = "torch.optim.lr_scheduler"
+FULL_RECIPE = {
+    "scheduler": {"module": LR, "type": "SequentialLR", "interval": "step", "config": {
+        "milestones": [2], "schedulers": [
+            {"module": LR, "type": "LinearLR", "config": {"start_factor": 0.2, "total_iters": 2}},
+            {"module": LR, "type": "CosineAnnealingLR", "config": {"T_max": "total_steps - 2"}}]}},
+    "trainer": {"config": {"gradient_clip_val": 0.5,
+                           "ema": {"decay": 0.9, "every_n_steps": 1, "warmup_steps": 2},
+                           "early_stopping": {"patience": 3}}},
+}
+
+
 def config(folder: Path, precision: str, accum: int, nan: str, workers: int,
-           persistent: bool) -> None:
+           persistent: bool, recipe: str = "plain") -> None:
     loader = {"batch_size": 8, "shuffle": True, "drop_last": True, "num_workers": workers}
     if workers:
         loader["persistent_workers"] = persistent
-    write_config(folder, {
+    updates = {
         "net": {"module": "tests.combo", "type": "ComboNet", "config": {"hidden": 16}},
         "data": {"train": {"module": "tests.combo", "type": "NoisyBlobs",
                            "config": {"size": 48}},
@@ -51,7 +65,11 @@ def config(folder: Path, precision: str, accum: int, nan: str, workers: int,
         "trainer": {"config": {"epochs": EPOCHS, "precision": precision,
                                "grad_accum_steps": accum, "nan_policy": nan,
                                "log_every_n_steps": 2}},
-    }, remove=("net", "data"))
+    }
+    if recipe == "full":
+        updates = OmegaConf.to_container(OmegaConf.merge(updates, FULL_RECIPE))
+    write_config(folder, updates, remove=("net", "data", *(("scheduler",) if recipe == "full"
+                                                          else ())))
 
 
 def train(folder: Path, ranks: int, env: dict) -> int:
@@ -78,6 +96,8 @@ def outcome(out: Path) -> dict:
     return {
         "checkpoints": names,
         "weights": {n: s["model_state_dict"] for n, s in states.items()},
+        "training weights": {n: s.get("training_model_state_dict") for n, s in states.items()},
+        "scheduler": {n: s["scheduler_state_dict"] for n, s in states.items()},
         "optimizer": {n: s["optimizer_state_dict"] for n, s in states.items()},
         "scaler": {n: s["scaler_state_dict"] for n, s in states.items()},
         "steps": {n: s["global_step"] for n, s in states.items()},
@@ -85,12 +105,13 @@ def outcome(out: Path) -> dict:
     }
 
 
-def run_combination(tmp: Path, precision, accum, nan, interrupt, workers, ranks) -> None:
+def run_combination(tmp: Path, precision, accum, nan, interrupt, workers, ranks,
+                    recipe) -> None:
     persistent = accum == 3  # persistent workers in half of the worker runs
     env = {"COMBO_NAN_AT": str(NAN_AT[nan]), "COMBO_SIGNAL_AT": "0"}
     straight, cut = tmp / "straight", tmp / "cut"
     for folder in (straight, cut):
-        config(folder, precision, accum, nan, workers, persistent)
+        config(folder, precision, accum, nan, workers, persistent, recipe)
     expected = 2 if nan == "stop" else 0  # the planted NaN stops the run, or is skipped
     assert train(straight, ranks, env) == expected
     signal_env = {**env, "COMBO_SIGNAL_AT": str(SIGNAL_AT), "COMBO_SIGNAL": interrupt.upper(),
@@ -106,7 +127,7 @@ def run_combination(tmp: Path, precision, accum, nan, interrupt, workers, ranks)
     a, b = outcome(straight / "out"), outcome(cut / "out")
     assert a["checkpoints"] == b["checkpoints"] == [f"checkpoint-{e}.tar" for e in
                                                    range(1, EPOCHS + (expected == 0))]
-    for key in ("steps", "weights", "optimizer", "scaler"):
+    for key in ("steps", "weights", "training weights", "optimizer", "scaler", "scheduler"):
         assert same_nested(a[key], b[key]), key
     assert a["history"] == b["history"]
     train_steps = [r["step"] for r in a["history"] if r["split"] == "train"]
@@ -114,16 +135,17 @@ def run_combination(tmp: Path, precision, accum, nan, interrupt, workers, ranks)
 
 
 FACTORS = {"precision": ("fp32", "bf16", "fp16"), "accum": (1, 3), "nan": ("stop", "skip"),
-           "interrupt": ("usr1", "kill"), "workers": (0, 2), "ranks": (1, 2)}
+           "interrupt": ("usr1", "kill"), "workers": (0, 2), "ranks": (1, 2),
+           "recipe": ("plain", "full")}
 # Every pair of values of any two factors appears in one of these rows.
 PAIRWISE = [
-    ("fp32", 1, "stop", "usr1", 0, 1),
-    ("fp32", 3, "skip", "kill", 2, 2),
-    ("bf16", 1, "skip", "kill", 0, 2),
-    ("bf16", 3, "stop", "usr1", 2, 1),
-    ("fp16", 1, "stop", "kill", 2, 2),
-    ("fp16", 3, "skip", "kill", 0, 1),
-    ("fp16", 3, "skip", "usr1", 2, 2),
+    ("fp32", 1, "stop", "usr1", 0, 1, "plain"),
+    ("fp32", 3, "skip", "kill", 2, 2, "full"),
+    ("bf16", 1, "skip", "kill", 0, 2, "plain"),
+    ("bf16", 3, "stop", "usr1", 2, 1, "full"),
+    ("fp16", 1, "stop", "kill", 2, 2, "full"),
+    ("fp16", 3, "skip", "kill", 0, 1, "full"),
+    ("fp16", 3, "skip", "usr1", 2, 2, "plain"),
 ]
 FULL = [row for row in itertools.product(*FACTORS.values()) if row not in PAIRWISE]
 
