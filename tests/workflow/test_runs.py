@@ -11,7 +11,7 @@ import re
 import pytest
 import yaml
 
-from tests.workflow.conftest import EPOCHS
+from tests.workflow.conftest import EARLY, EPOCHS
 from tests.workflow.helpers import CHAIN, RUN_S, copy_finished, jobs_for, planned, snakemake
 
 
@@ -28,7 +28,8 @@ def test_run_makes_every_output(finished):
         assert list(rows[0]) == ["index", "prediction", *(f"score_{i}" for i in range(10))]
         assert len(rows) > 100
         summary = json.loads((folder / "summary.json").read_text())
-        assert summary["epochs"] == EPOCHS and 1 <= summary["best"]["epoch"] <= EPOCHS
+        epochs = 2 if exp == EARLY else EPOCHS
+        assert summary["epochs"] == epochs and 1 <= summary["best"]["epoch"] <= epochs
         png = finished / "results" / "plots" / "curves" / f"{exp}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (finished / "results/plots/metrics.png").read_bytes()[:4] == b"\x89PNG"
@@ -61,6 +62,10 @@ def test_leaderboard_ranks_all_metrics_best_first(finished):
 def test_second_dry_run_has_nothing_to_do(finished):
     out = snakemake(finished, "-n")
     assert "Nothing to be done" in out and planned(out) == set()
+    # ... the experiment early stopping ended after epoch 2 of 3 included
+    summary = json.loads((finished / f"results/{EARLY}/summary.json").read_text())
+    assert summary["epochs"] == 2 and summary["stopped_early"].startswith(
+        "stopped early after epoch 2")
 
 
 def test_editing_an_experiment_config_replans_only_its_runs(finished, tmp_path):
