@@ -60,6 +60,8 @@ class GradientClipping:
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in grads])
             torch.nn.utils.clip_grad_value_(grads, self.value)
+        if hasattr(norm, "full_tensor"):  # a DTensor (strategy: fsdp): the whole norm
+            norm = norm.full_tensor()
         self._norms.append(norm.detach().float())
 
     def take(self, world_size: int) -> torch.Tensor | None:
