@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from echelon3 import schedulers
 from echelon3.errors import BuildError, ConfigError
 from echelon3.trainers.early_stopping import EarlyStopping
-from tests.helpers import blobs, echelon3, history, load, loader, make_trainer, write_config
+from tests.helpers import blobs, echelon3, history, load, make_trainer, write_config
 
 LR = 0.1
 STEPS, EPOCHS = 4, 3  # blobs(): 64 samples, batch 16

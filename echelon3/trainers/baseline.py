@@ -41,17 +41,15 @@ import logging
 from typing import Any, Mapping, Sequence
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm  # not tqdm.auto: its asyncio variant opens every loader twice
 
 from echelon3 import preemption
 from echelon3.batches import split_batch, to_device, weighted_loss
 from echelon3.bottleneck import EpochClock, is_compiled
-from echelon3.checkpoint import TRAINING_WEIGHTS, strip_prefixes
-from echelon3.dist import all_gather_object, get_rank, get_world_size, unwrap
+from echelon3.dist import get_rank, get_world_size, unwrap
 from echelon3.optimizers.closure import is_closure_optimizer
 from echelon3.profiling import Profiler
-from echelon3.rng import restore_for_rank, rng_state
+from echelon3.rng import restore_for_rank
 from echelon3.runtime import interrupted
 from echelon3.samples import naming_bad_labels
 from echelon3.trainers.clipping import GradientClipping
@@ -62,12 +60,13 @@ from echelon3.trainers.nonfinite import NonFiniteGuard
 from echelon3.trainers.running import RunningLosses
 from echelon3.trainers.state import EpochPosition, MidEpoch
 from echelon3.trainers.stepping import STEP, WAIT, Stepping
+from echelon3.trainers.checkpointing import Checkpointing
 from echelon3.trainers.validating import Validation
 
 log = logging.getLogger(__name__)
 
 
-class Trainer(Validation):
+class Trainer(Checkpointing, Validation):
     """Injected: everything but the keyword settings below, which come from ``trainer.config``."""
 
     def __init__(self, *, net, losses, optimizer, train_loader, test_loaders, metrics,
@@ -119,54 +118,8 @@ class Trainer(Validation):
         if resume_state is not None:
             self.restore(resume_state)
 
-    # ------------------------------------------------------------------ state
-
-    def state_dict(self) -> dict[str, Any]:
-        """An epoch checkpoint (a collective: every rank's RNG states are gathered)."""
-        weights = strip_prefixes(unwrap(self.net).state_dict())
-        return {
-            # What evaluate, export and finetune load: the EMA weights when on.
-            "model_state_dict": self.ema.state_dict() if self.ema else weights,
-            **({TRAINING_WEIGHTS: weights} if self.ema else {}),
-            "early_stopping": self.early.state_dict() if self.early else None,
-            "optimizer_state_dict": self.optimizer.state_dict(),
-            "scheduler_state_dict": self.scheduler.state_dict() if self.scheduler else None,
-            "scaler_state_dict": self.precision.state_dict(),
-            "epoch": self.epoch,
-            "global_step": self.global_step,
-            "metrics": dict(self.last_metrics),
-            "best_metrics": dict(self.best_metrics) if self.best_metrics else None,
-            "rng_state": rng_state(),  # rank 0's; every rank's below, for exact DDP resume
-            "rng_states": all_gather_object(rng_state()) if get_world_size() > 1 else None,
-            **self.extra_state,
-        }
-
-    def restore(self, state: Mapping[str, Any]) -> None:
-        """Continue from a checkpoint (the network weights are loaded by the caller)."""
-        self.optimizer.load_state_dict(state["optimizer_state_dict"])
-        if self.scheduler is not None and state.get("scheduler_state_dict"):
-            self.scheduler.load_state_dict(state["scheduler_state_dict"])
-        self.precision.load_state_dict(state.get("scaler_state_dict"))
-        self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
-        self.best_metrics = state.get("best_metrics")
-        self.last_metrics = dict(state.get("metrics") or {})
-        if self.ema is not None:
-            self.ema.load_state_dict(state["model_state_dict"])
-        if self.early is not None and state.get("early_stopping"):
-            self.early.load_state_dict(state["early_stopping"])
-        if not self.mid_epoch.load(state, get_rank()):
-            self._resume_rng = (state.get("rng_states"), state["rng_state"])
-
-    def stopped_early(self) -> str | None:
-        """Why early stopping ended the run (None: it did not)."""
-        return self.early.reason() if self.early is not None else None
-
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
-
-    def check_before_save(self) -> None:
-        self._flush_logs()
-        self.nonfinite.check_before_save(self._params())
 
     # ------------------------------------------------------------------ one micro-batch
 
@@ -318,14 +271,6 @@ class Trainer(Validation):
     def _stop_requested(self) -> bool:
         """Step 7: one process stops on its own signal; ranks on the log point's flag."""
         return self._stop or (get_world_size() == 1 and preemption.requested() is not None)
-
-    def _preempt(self, epoch: int) -> None:
-        """Checkpoint the epoch in progress (every rank takes part) and stop."""
-        self.check_before_save()
-        state = {**self.state_dict(), **self.mid_epoch.state()}
-        path = self.checkpoints.save_preempted(state)
-        log.info("%s", preemption.report(epoch + 1, self.global_step, path))
-        raise preemption.Preempted(str(path))
 
     def fit(self) -> dict[str, float] | None:
         if self._resume_rng is not None:

@@ -1,0 +1,76 @@
+"""The trainer's checkpoints: what an epoch checkpoint holds, resuming from one, and the
+preemption checkpoint written in the middle of an epoch.
+
+Every checkpoint holds the network (with ``trainer.config.ema``: the average as
+``model_state_dict``, the training weights as ``training_model_state_dict``),
+optimizer, scheduler, GradScaler, early-stopping state, epoch, step, metrics and
+every rank's RNG state; a preemption checkpoint adds the mid-epoch parts
+(:mod:`echelon3.trainers.state`). Mixed into the trainer, which provides the
+objects named here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+from echelon3 import preemption
+from echelon3.checkpoint import TRAINING_WEIGHTS, strip_prefixes
+from echelon3.dist import all_gather_object, get_rank, get_world_size, unwrap
+from echelon3.rng import rng_state
+
+log = logging.getLogger(__name__)
+
+
+class Checkpointing:
+    def state_dict(self) -> dict[str, Any]:
+        """An epoch checkpoint (a collective: every rank's RNG states are gathered)."""
+        weights = strip_prefixes(unwrap(self.net).state_dict())
+        return {
+            # What evaluate, export and finetune load: the EMA weights when on.
+            "model_state_dict": self.ema.state_dict() if self.ema else weights,
+            **({TRAINING_WEIGHTS: weights} if self.ema else {}),
+            "early_stopping": self.early.state_dict() if self.early else None,
+            "optimizer_state_dict": self.optimizer.state_dict(),
+            "scheduler_state_dict": self.scheduler.state_dict() if self.scheduler else None,
+            "scaler_state_dict": self.precision.state_dict(),
+            "epoch": self.epoch,
+            "global_step": self.global_step,
+            "metrics": dict(self.last_metrics),
+            "best_metrics": dict(self.best_metrics) if self.best_metrics else None,
+            "rng_state": rng_state(),  # rank 0's; every rank's below, for exact DDP resume
+            "rng_states": all_gather_object(rng_state()) if get_world_size() > 1 else None,
+            **self.extra_state,
+        }
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Continue from a checkpoint (the network weights are loaded by the caller)."""
+        self.optimizer.load_state_dict(state["optimizer_state_dict"])
+        if self.scheduler is not None and state.get("scheduler_state_dict"):
+            self.scheduler.load_state_dict(state["scheduler_state_dict"])
+        self.precision.load_state_dict(state.get("scaler_state_dict"))
+        self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
+        self.best_metrics = state.get("best_metrics")
+        self.last_metrics = dict(state.get("metrics") or {})
+        if self.ema is not None:
+            self.ema.load_state_dict(state["model_state_dict"])
+        if self.early is not None and state.get("early_stopping"):
+            self.early.load_state_dict(state["early_stopping"])
+        if not self.mid_epoch.load(state, get_rank()):
+            self._resume_rng = (state.get("rng_states"), state["rng_state"])
+
+    def stopped_early(self) -> str | None:
+        """Why early stopping ended the run (None: it did not)."""
+        return self.early.reason() if self.early is not None else None
+
+    def check_before_save(self) -> None:
+        self._flush_logs()
+        self.nonfinite.check_before_save(self._params())
+
+    def _preempt(self, epoch: int) -> None:
+        """Checkpoint the epoch in progress (every rank takes part) and stop."""
+        self.check_before_save()
+        state = {**self.state_dict(), **self.mid_epoch.state()}
+        path = self.checkpoints.save_preempted(state)
+        log.info("%s", preemption.report(epoch + 1, self.global_step, path))
+        raise preemption.Preempted(str(path))
