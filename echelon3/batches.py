@@ -52,15 +52,10 @@ def loss_on_device(fn: Any, device) -> Any:
 
 
 def batch_size(target: Any) -> int:
-    """The number of samples: the length of the target, or of its first tensor."""
-    if isinstance(target, torch.Tensor):
-        return len(target)
+    """The number of samples: the length of the target, or of a mapping's first entry."""
     if isinstance(target, Mapping):
         return batch_size(next(iter(target.values())))
-    if isinstance(target, list | tuple):
-        return batch_size(target[0]) if target and not isinstance(target[0], int) \
-            else len(target)
-    raise TypeError(f"cannot tell the batch size of a {type(target).__name__} target")
+    return len(target)
 
 
 def to_float(value: Any) -> Any:

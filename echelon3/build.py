@@ -286,7 +286,8 @@ def build_losses(cfg, config_dir: Path | None = None, required: bool = True, dev
         weight = spec.get("weight", 1.0) if isinstance(spec, Mapping | DictConfig) else 1.0
         if not isinstance(weight, int | float):
             raise BuildError(f"{key}.weight", f"must be a number, got {weight!r}")
-        fn = loss_on_device(instantiate(spec, key, config_dir, extra_keys=("weight", *KEYS)), device)
+        fn = instantiate(spec, key, config_dir, extra_keys=("weight", *KEYS))
+        fn = loss_on_device(fn, device)
         if any(spec.get(k) is not None for k in KEYS):
             fn = Keyed(fn, spec.get("input_key"), spec.get("target_key"), key)
         losses[name] = (fn, float(weight))

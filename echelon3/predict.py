@@ -105,7 +105,8 @@ def predict(rc, device, launcher) -> None:
     _, loaders = create_dataloaders(cfg.dataloaders, None, graph_inputs(tests, contract, path),
                                     rank=launcher.rank, world_size=launcher.world_size,
                                     seed=cfg.get("seed", 0), config_dir=rc.config_dir)
-    results = evaluate_sets(OnnxNet(path, contract.get("output_key")), loaders, metrics, named_sets=named, device=cpu,
+    net = OnnxNet(path, contract.get("output_key"))
+    results = evaluate_sets(net, loaders, metrics, named_sets=named, device=cpu,
                             precision=Precision.from_config(cpu, "fp32", key="precision"))
     if is_main():
         output = folder / "model.metrics.json"
