@@ -57,6 +57,12 @@ class KeyedMetric(Metric):
         self.keyed = Keyed(metric.update, input_key, target_key, key)
         self.input_key = input_key
 
+    @property
+    def num_classes(self):
+        """The wrapped metric's, so a label outside its classes is named (one target)."""
+        return getattr(self.metric, "num_classes", None) if self.keyed.target_key is None \
+            else None
+
     def update(self, preds, target) -> None:
         self.metric.update(*self.keyed.select(preds, target))
 
