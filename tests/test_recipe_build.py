@@ -291,6 +291,23 @@ def test_two_heads_export_one_output_and_predict_scores_it(heads, capsys):
     assert scored["accuracy"] == pytest.approx(evaluated["accuracy"], abs=1e-6)
 
 
+@torch.no_grad()
+def test_two_heads_run_writes_the_named_output(heads, capsys):
+    folder = heads["folder"]
+    assert helpers.echelon3("run", folder) == 2
+    assert "runner.output_key: the network returns a mapping (keys digit, parity); name the " \
+        "entry to write" in capsys.readouterr().err
+    assert helpers.echelon3("run", folder, "+runner.config.output_key=parity") == 0
+    rows = (helpers.target(folder) / "predictions.csv").read_text().splitlines()
+    assert rows[0] == "index,prediction,score_0,score_1"
+    net = TwoHeadMLP(hidden=16)
+    net.load_state_dict(state(helpers.target(folder) / "best.tar"))
+    _, test = sets()
+    x, _ = default_collate([test[i] for i in range(len(test))])
+    expected = net.eval()(x)["parity"].argmax(1).tolist()
+    assert [int(row.split(",")[1]) for row in rows[1:]] == expected
+
+
 def test_two_heads_on_two_gloo_ranks_under_bf16(tmp_path):
     """Sharded training and exact validation of a mapping output on 2 ranks."""
     write(tmp_path)
