@@ -153,6 +153,73 @@ def check_arguments(target: Callable, kwargs: Mapping[str, Any], key: str,
             raise BuildError(f"{prefix}.{arg}" if arg not in injected else key,
                              f"{label} does not accept '{arg}'{did_you_mean(arg, offered)}; "
                              f"it accepts: {', '.join(offered) or '(nothing)'}")
-    missing = [n for n, p in keyword.items() if p.default is p.empty and n not in kwargs]
+    missing = missing_arguments(target, kwargs, sig)
     if require and missing:
         raise BuildError(prefix, f"{label} requires {', '.join(map(repr, missing))}")
+
+
+def missing_arguments(target: Callable, kwargs: Mapping[str, Any],
+                      sig: inspect.Signature | None = None) -> list[str]:
+    """Required keyword-capable parameters of ``target`` that ``kwargs`` does not give."""
+    sig = sig or signature(target)
+    if sig is None:
+        return []
+    return [p.name for p in sig.parameters.values() if p.name != "self"
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.default is p.empty and p.name not in kwargs]
+
+
+def _names_tensor(annotation: Any) -> bool:
+    """``Tensor``, ``Optional[Tensor]``, ``Tensor | None``..."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_names_tensor(a) for a in typing.get_args(annotation))
+    return getattr(annotation, "__module__", "") == "torch" and \
+        getattr(annotation, "__name__", "") == "Tensor"
+
+
+def _numbers(value: Any) -> bool:
+    if isinstance(value, list):
+        return bool(value) and all(_numbers(v) for v in value)
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def to_tensors(target: Callable, kwargs: dict[str, Any], skip=()) -> dict[str, Any]:
+    """``kwargs`` with each (nested) list of numbers given where ``target``'s signature
+    annotates a ``Tensor`` made a tensor of the default float dtype
+    (``CrossEntropyLoss(weight=[1, 2, 1])``); anything else as it is."""
+    sig = signature(target)
+    if sig is None:
+        return kwargs
+    import torch
+
+    params = sig.parameters
+    return {k: torch.tensor(v, dtype=torch.get_default_dtype())
+            if k not in skip and k in params and isinstance(v, list) and _numbers(v)
+            and _names_tensor(params[k].annotation)
+            else v for k, v in kwargs.items()}
+
+
+PARTIAL_HINT = ("; to pass the function itself (bound to its config), not what it "
+                "returns, add 'partial: true' to {key}")
+
+
+def partial_hint(target: Callable, error: Exception, key: str) -> str:
+    """The ``partial: true`` hint for a function whose call said it misses arguments."""
+    if isinstance(target, type) or not isinstance(error, TypeError):
+        return ""
+    return PARTIAL_HINT.format(key=key) if "missing" in str(error) else ""
+
+
+def check_call(target: Callable, kwargs: Mapping[str, Any], key: str,
+               injected: Mapping[str, Any] = (), skip_types: tuple[str, ...] = ()) -> None:
+    """:func:`check_arguments` before ``target(**kwargs)``; a function missing required
+    arguments (``pad_collate`` without ``batch``) is told about ``partial: true``."""
+    check_arguments(target, kwargs, key, injected, skip_types=skip_types, require=False)
+    missing = missing_arguments(target, kwargs)
+    if not missing:
+        return
+    label = getattr(target, "__qualname__", repr(target))
+    if isinstance(target, type):
+        raise BuildError(f"{key}.config", f"{label} requires {', '.join(map(repr, missing))}")
+    raise BuildError(key, f"{label} is called when built, but it requires "
+                     f"{', '.join(map(repr, missing))}" + PARTIAL_HINT.format(key=key))

@@ -14,6 +14,7 @@ them is an error.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -24,10 +25,10 @@ from typing import Any, Callable, Mapping
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from echelon3.arguments import check_arguments
+from echelon3.arguments import check_arguments, check_call, partial_hint, to_tensors
 from echelon3.errors import BuildError, UserError, did_you_mean
 
-SPEC_KEYS = {"module", "type", "config"}
+SPEC_KEYS = {"module", "type", "config", "partial"}
 
 # The config directory of the component being constructed, so that a container
 # building its lazy specs itself finds ``.py`` files beside the config too.
@@ -141,12 +142,16 @@ def instantiate(spec: Mapping, key: str, config_dir: Path | None = None,
         if name in config:
             raise BuildError(f"{key}.config.{name}", f"'{name}' is supplied by echelon3 at "
                              "run time; remove it from the config")
+    partial = _partial_flag(spec, key)
     lazy = set(getattr(target, "lazy_specs", ()))
     kwargs = {k: (to_plain(v) if k in lazy else _build_nested(v, f"{key}.config.{k}", config_dir))
               for k, v in config.items()}
-    kwargs = {k: to_plain(v) for k, v in kwargs.items()}
+    kwargs = to_tensors(target, {k: to_plain(v) for k, v in kwargs.items()}, skip=lazy)
     kwargs.update(injected)
-    check_arguments(target, kwargs, key, injected, skip_types=tuple(lazy))
+    if partial:
+        check_arguments(target, kwargs, key, injected, skip_types=tuple(lazy), require=False)
+        return functools.partial(target, **kwargs) if kwargs else target
+    check_call(target, kwargs, key, injected, skip_types=tuple(lazy))
     token = _CONFIG_DIR.set(config_dir)
     try:
         return target(**kwargs)
@@ -154,9 +159,16 @@ def instantiate(spec: Mapping, key: str, config_dir: Path | None = None,
         raise
     except (TypeError, ValueError) as e:
         raise BuildError(key, f"{getattr(target, '__qualname__', target)} rejected its "
-                         f"arguments: {e}") from e
+                         f"arguments: {e}{partial_hint(target, e, key)}") from e
     finally:
         _CONFIG_DIR.reset(token)
+
+
+def _partial_flag(spec: Mapping, key: str) -> bool:
+    flag = spec.get("partial", False)
+    if not isinstance(flag, bool):
+        raise BuildError(f"{key}.partial", f"must be true or false, got {flag!r}")
+    return flag
 
 
 def iter_specs(node: Any, key: str):
@@ -259,7 +271,11 @@ def build_datasets(cfg, config_dir: Path | None = None, train: bool = True):
 
 
 def build_losses(cfg, config_dir: Path | None = None, required: bool = True, device=None):
-    """``loss``: [{name: {module, type, config, weight}}] -> {name: (fn, weight)}, on ``device``."""
+    """``loss``: [{name: {module, type, config, weight, input_key, target_key}}] ->
+    {name: (fn, weight)}, on ``device``; ``input_key`` / ``target_key`` pick one entry of
+    a mapping output / target (:class:`echelon3.batches.Keyed`)."""
+    from echelon3.batches import Keyed, loss_on_device
+
     if cfg.get("loss") is None:
         if required:
             raise BuildError("loss", "required section missing for 'train'")
@@ -270,26 +286,40 @@ def build_losses(cfg, config_dir: Path | None = None, required: bool = True, dev
         weight = spec.get("weight", 1.0) if isinstance(spec, Mapping | DictConfig) else 1.0
         if not isinstance(weight, int | float):
             raise BuildError(f"{key}.weight", f"must be a number, got {weight!r}")
-        fn = instantiate(spec, key, config_dir, extra_keys=("weight",))
-        if device is not None and hasattr(fn, "to"):
-            fn = fn.to(device)
+        fn = instantiate(spec, key, config_dir, extra_keys=("weight", *KEYS))
+        fn = loss_on_device(fn, device)
+        if any(spec.get(k) is not None for k in KEYS):
+            fn = Keyed(fn, spec.get("input_key"), spec.get("target_key"), key)
         losses[name] = (fn, float(weight))
     if required and not losses:
         raise BuildError("loss", "lists no loss")
     return losses
 
 
+KEYS = ("input_key", "target_key")  # a loss or metric reading one entry of a mapping
+
+
 def build_metrics(cfg, config_dir: Path | None = None, device=None):
-    """``metrics``: [{name: triple}] -> {name: metric} on ``device``; unusable ones rejected."""
+    """``metrics``: [{name: triple}] -> {name: metric} on ``device``; unusable ones rejected.
+    A function (``partial: true``) becomes a :class:`FunctionMetric`; ``input_key`` /
+    ``target_key`` make a :class:`KeyedMetric` (:mod:`echelon3.metrics.adapters`)."""
+    from echelon3.metrics.adapters import FunctionMetric, KeyedMetric
     from echelon3.metrics.base import is_usable_metric
 
     metrics = {}
     for name, spec in named_items(cfg.get("metrics"), "metrics"):
-        metric = instantiate(spec, f"metrics.{name}", config_dir)
+        key = f"metrics.{name}"
+        metric = instantiate(spec, key, config_dir, extra_keys=KEYS)
+        if spec.get("partial") and not isinstance(getattr(metric, "func", metric), type):
+            metric = FunctionMetric(metric)
         if not is_usable_metric(metric):
-            raise BuildError(f"metrics.{name}", f"{type(metric).__name__} is not a metric: it "
-                             "needs update(preds, target), compute() and reset()")
-        metrics[name] = metric.to(device) if device is not None else metric
+            raise BuildError(key, f"{type(metric).__name__} is not a metric: it needs "
+                             "update(preds, target), compute() and reset() (a function "
+                             "fn(preds, target) takes partial: true)")
+        metric = metric.to(device) if device is not None else metric
+        if any(spec.get(k) is not None for k in KEYS):
+            metric = KeyedMetric(metric, spec.get("input_key"), spec.get("target_key"), key)
+        metrics[name] = metric
     return metrics
 
 

@@ -84,6 +84,8 @@ def describe(path: Path, *, cfg, dataset, pre, pre_from: str | None, declared, p
         "preprocess": None if pre is None else f"{pre!r} (from {pre_from}), inside the graph",
         "output": {**outputs, "is": output_meaning(cfg, post, outputs["shape"])},
         "postprocess": None if post is None else f"{post!r}, inside the graph",
+        # The entry a PickOutput postprocess kept of a network returning a mapping.
+        "output_key": getattr(post, "key", None) if type(post).__name__ == "PickOutput" else None,
         "source": str(source),
         "exporter": exporter,
         "opset": opsets.get("ai.onnx"),

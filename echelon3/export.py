@@ -296,6 +296,18 @@ def check(model: Exported, path: Path, example: torch.Tensor, dynamic_batch: boo
     return worst
 
 
+def one_output(model: Exported, example: torch.Tensor) -> None:
+    """model.onnx holds one output: a network returning a mapping needs a postprocess
+    that keeps one entry (:class:`echelon3.nets.heads.PickOutput`)."""
+    with torch.no_grad():
+        out = model(example)
+    if isinstance(out, dict):
+        raise ConfigError("export.postprocess", f"the network returns a mapping (keys "
+                          f"{', '.join(map(str, out))}) and model.onnx holds one output; keep "
+                          "one with {module: echelon3.nets.heads, type: PickOutput, config: "
+                          f"{{key: {next(iter(out))}}}}}")
+
+
 def save_safetensors(net: nn.Module, path: Path, source: Path) -> None:
     from safetensors.torch import save_file
 
@@ -333,6 +345,7 @@ def write_onnx(cfg, spec, net: nn.Module, parts: dict, out: Path, source: Path) 
 
     model = Exported(net, parts["pre"], parts["post"]).eval()
     example, dataset = parts["example"], parts["dataset"]
+    one_output(model, example)
     tmp = out / ".model.onnx.tmp"
     try:
         exporter = to_onnx(model, example, tmp, spec["dynamic_batch"], spec.get("opset"))

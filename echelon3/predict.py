@@ -5,7 +5,9 @@ The graph runs in onnxruntime on the CPU. When it fuses a preprocess (``model.js
 says so), it is fed the test set's raw inputs (its ``raw_input(index)``), not the
 transformed ones, so the scores show whether the exported file on raw data does what
 ``evaluate`` reported. Results go to ``model.metrics.json`` beside ``model.onnx``,
-and each metric is logged next to evaluate's (``metrics.json``) when there is one.
+and each metric is logged next to evaluate's (``metrics.json``) when there is one. A graph
+that keeps one entry of a network's mapping output (``output_key`` in ``model.json``)
+gives its output under that key, so metrics with ``input_key`` read it as in ``evaluate``.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ log = logging.getLogger(__name__)
 class OnnxNet(nn.Module):
     """An ONNX graph behind the ``nn.Module`` call the evaluation loop makes."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, output_key: str | None = None):
         super().__init__()
+        self.output_key = output_key  # the graph's output is this entry of the network's
         import onnxruntime
 
         self.session = onnxruntime.InferenceSession(str(path),
@@ -38,7 +41,8 @@ class OnnxNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.session.run(None, {self.input_name: x.detach().cpu().numpy()})[0]
-        return torch.from_numpy(out).to(x.device)
+        out = torch.from_numpy(out).to(x.device)
+        return out if self.output_key is None else {self.output_key: out}
 
 
 class RawInputs(Dataset):
@@ -101,7 +105,8 @@ def predict(rc, device, launcher) -> None:
     _, loaders = create_dataloaders(cfg.dataloaders, None, graph_inputs(tests, contract, path),
                                     rank=launcher.rank, world_size=launcher.world_size,
                                     seed=cfg.get("seed", 0), config_dir=rc.config_dir)
-    results = evaluate_sets(OnnxNet(path), loaders, metrics, named_sets=named, device=cpu,
+    net = OnnxNet(path, contract.get("output_key"))
+    results = evaluate_sets(net, loaders, metrics, named_sets=named, device=cpu,
                             precision=Precision.from_config(cpu, "fp32", key="precision"))
     if is_main():
         output = folder / "model.metrics.json"

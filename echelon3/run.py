@@ -19,6 +19,7 @@ import torch
 from echelon3.dist import all_gather_object, is_main
 from echelon3.checkpoint import atomic_write_text
 from echelon3.batches import split_batch, to_device
+from echelon3.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -36,17 +37,19 @@ class Runner:
 
     ``checkpoint``: file to load (default best.tar, else the newest rolling one);
     ``output``: the CSV (default ``<target.path>/predictions.csv``);
-    ``data``: a dataset triple to predict on (default: the test set(s)).
+    ``data``: a dataset triple to predict on (default: the test set(s));
+    ``output_key``: the entry written, for a network that returns a mapping of outputs.
     """
 
     lazy_specs = ("data",)  # built by the task, like the other data sets
 
     def __init__(self, path: str, checkpoint: str | None = None, output: str | None = None,
-                 data: Mapping | None = None):
+                 data: Mapping | None = None, output_key: str | None = None):
         self.path = Path(path)
         self.checkpoint = checkpoint
         self.output = Path(output) if output else self.path / "predictions.csv"
         self.data = data
+        self.output_key = output_key
 
     @torch.no_grad()
     def __call__(self, *, net, loaders: Mapping, precision, device, named_sets: bool) -> int:
@@ -55,7 +58,7 @@ class Runner:
             order = iter(loader.sampler)
             for batch in loader:
                 with precision.autocast():
-                    out = net(to_device(_inputs(batch), device)).float().cpu()
+                    out = self.pick(net(to_device(_inputs(batch), device))).float().cpu()
                 for pred in out:
                     rows.append((set_name, next(order), pred))
         rows = [row for part in all_gather_object(rows) for row in part]
@@ -63,6 +66,15 @@ class Runner:
             set_rank = {name: i for i, name in enumerate(loaders)}
             self.write(sorted(rows, key=lambda r: (set_rank[r[0]], r[1])), named_sets)
         return len(rows)
+
+    def pick(self, out):
+        """The output written: the ``output_key`` entry of a mapping, else ``out``."""
+        from echelon3.batches import pick
+
+        if isinstance(out, Mapping) and self.output_key is None:
+            raise UserError("runner.output_key", f"the network returns a mapping (keys "
+                            f"{', '.join(map(str, out))}); name the entry to write")
+        return pick(out, self.output_key, "runner.output_key", "network output")
 
     def write(self, rows: list, named_sets: bool) -> None:
         width = max((r[2].numel() for r in rows), default=1)

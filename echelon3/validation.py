@@ -2,7 +2,8 @@
 
 The trainer validates through it and ``echelon3 evaluate`` scores a checkpoint
 through it. Under DDP every rank runs its own shard (no sample counted twice)
-and metrics reduce across ranks.
+and metrics reduce across ranks. A network may return a mapping of outputs; losses and
+metrics then read their entry (``input_key``, :mod:`echelon3.batches`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import Mapping, Sequence
 import torch
 from tqdm import tqdm  # not tqdm.auto: its asyncio variant opens every loader twice
 
-from echelon3.batches import match_target, split_batch, to_device, weighted_loss
+from echelon3.batches import (batch_size, mapping_error, match_target, split_batch,
+                              to_device, weighted_loss)
 from echelon3.dist import all_reduce_sum_, is_main
 from echelon3.samples import naming_bad_labels
 
@@ -46,12 +48,10 @@ def evaluate_sets(net, loaders: Mapping, metrics: Mapping, *, precision, device,
                     pred = net(inputs)
                     if losses:
                         total, _ = weighted_loss(losses, pred, target, float_labels)
-                        loss_sum[0] += total.double() * len(target)
-                loss_sum[1] += len(target)
+                        loss_sum[0] += total.double() * batch_size(target)
+                loss_sum[1] += batch_size(target)
                 if with_metrics:
-                    pred, target = match_target(pred.float(), target, float_labels)
-                    for metric in metrics.values():
-                        metric.update(pred, target)
+                    update(metrics, *match_target(as_float(pred), target, float_labels))
         if losses:
             all_reduce_sum_(loss_sum)
             results[metric_name(set_name, "loss", named_sets)] = (
@@ -61,3 +61,23 @@ def evaluate_sets(net, loaders: Mapping, metrics: Mapping, *, precision, device,
                 results[metric_name(set_name, name, named_sets)] = reduce_and_compute(metric)
     net.train(was_training)
     return results
+
+
+def as_float(pred):
+    """The network's output (a tensor, or a mapping of them) in float32 for the metrics."""
+    if isinstance(pred, torch.Tensor):
+        return pred.float()
+    if isinstance(pred, Mapping):
+        return {k: as_float(v) for k, v in pred.items()}
+    return pred
+
+
+def update(metrics: Mapping, pred, target) -> None:
+    for name, metric in metrics.items():
+        try:
+            metric.update(pred, target)
+        except (TypeError, AttributeError) as e:
+            named = mapping_error(f"metrics.{name}", pred, metric, e)
+            if named is None:
+                raise
+            raise named from e
