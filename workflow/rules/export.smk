@@ -18,9 +18,12 @@ rule export:
         fmt="onnx|safetensors",
     conda:
         "../envs/echelon3.yaml"
+    group:
+        experiment_group
     resources:
-        mem_mb=mem_mb,
-        runtime=runtime,
+        cpus_per_task=own_share(1),
+        mem_mb=own_share(mem_mb),
+        runtime=own_share(runtime),
     params:
         config_dir=config_dir,
         config_name=config_name,

@@ -13,6 +13,8 @@ rule train:
         "logs/train/{exp}.log",
     conda:
         "../envs/echelon3.yaml"
+    group:
+        experiment_group
     threads: cpus
     resources:
         cpus_per_task=train_cpus_per_task,
