@@ -3,17 +3,19 @@ one-node cluster of tests/slurm (two fake GPUs), with a site profile on top
 for what that cluster needs (partition, squeue status checks, no account).
 
 One Snakemake run trains, evaluates and runs the two digits experiments on the
-CPU and a probe experiment with `launcher: srun` and two GPUs: two srun tasks,
-one fake GPU each, training one DDP run with gloo on the CPU. The test then
-checks every output, the resources SLURM gave each job (`scontrol show job`;
-finished jobs stay visible for the cluster's MinJobAge of 300 s) and what the
-two ranks saw.
+CPU (one of them also exported) and a probe experiment with `launcher: srun` and
+two GPUs: two srun tasks, one fake GPU each, training one DDP run with gloo on
+the CPU. Each experiment is one SLURM job (one Snakemake group). The test then
+checks every output, that slurmctld took one submission per experiment, the
+resources SLURM gave each job (`scontrol show job`; finished jobs stay visible
+for the cluster's MinJobAge of 300 s) and what the two ranks saw.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -48,21 +50,27 @@ EXPERIMENTS = {
     "digits_cnn": {"config": "digits_cnn", "overrides": ["trainer.config.epochs=2"],
                    "resources": {"gpus": 0, "cpus": 1, "mem_mb": 900, "runtime": 7}},
     "digits_mlp": {"config": "digits_mlp", "overrides": ["trainer.config.epochs=2"],
+                   "export": ["safetensors"],
                    "resources": {"gpus": 0, "cpus": 1, "mem_mb": 800, "runtime": 9}},
     "ranks": {"config": "ranks", "overrides": ["device=cpu"],
               "resources": {"gpus": 2, "cpus": 2, "mem_mb": 1000, "runtime": 5,
                             "launcher": "srun"}},
 }
 
-# (rule, experiment) -> what scontrol must show: CPUs, memory, time limit, GPUs.
-# evaluate and run take one GPU; train with `launcher: srun` all of them.
+# The rules of each experiment's one job (its Snakemake group), as the job's name
+# lists them.
+GROUP_RULES = {"digits_cnn": "evaluate_run_train", "digits_mlp": "evaluate_export_run_train",
+               "ranks": "evaluate_run_train"}
+
+# experiment -> what scontrol must show of its job: CPUs, memory, time limit, GPUs;
+# train's own (`launcher: srun`: all GPUs), whatever evaluate, run and export ask.
 EXPECTED = {
-    **{(rule, "digits_cnn"): (1, "900M", "00:07:00", 0) for rule in ("train", "evaluate", "run")},
-    **{(rule, "digits_mlp"): (1, "800M", "00:09:00", 0) for rule in ("train", "evaluate", "run")},
-    ("train", "ranks"): (2, "1000M", "00:05:00", 2),
-    ("evaluate", "ranks"): (2, "1000M", "00:05:00", 1),
-    ("run", "ranks"): (2, "1000M", "00:05:00", 1),
+    "digits_cnn": (1, "900M", "00:07:00", 0),
+    "digits_mlp": (1, "800M", "00:09:00", 0),
+    "ranks": (2, "1000M", "00:05:00", 2),
 }
+
+SUBMITTED = re.compile(r"_slurm_rpc_submit_batch_job: JobId=(\d+)")
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +85,8 @@ def slurm_run(slurm_cluster, tmp_path_factory):
     site.mkdir()
     (site / "config.yaml").write_text(yaml.safe_dump(SITE_PROFILE))
     env = {**slurm_cluster.env, "PYTHONUNBUFFERED": "1"}
+    ctld_log = slurm_cluster.dir / "log/ctld/slurmctld.log"
+    ctld_start = ctld_log.stat().st_size
     args = [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm",
             "--profile", str(site)]
     try:
@@ -86,7 +96,8 @@ def slurm_run(slurm_cluster, tmp_path_factory):
                     f"{str(e.stderr)[-6000:]}{job_logs(wf)}\n{slurm_cluster.logs()}")
     assert proc.returncode == 0, (f"snakemake exited {proc.returncode}\n{proc.stdout[-6000:]}"
                                   f"{proc.stderr[-6000:]}{job_logs(wf)}")
-    return wf, tmp / "ranks" / "probe"
+    submitted = SUBMITTED.findall(ctld_log.read_bytes()[ctld_start:].decode(errors="replace"))
+    return wf, tmp / "ranks" / "probe", submitted
 
 
 def job_logs(wf: Path) -> str:
@@ -95,18 +106,17 @@ def job_logs(wf: Path) -> str:
                    for p in sorted(wf.glob("logs/**/*.log")))
 
 
-def submitted_jobs(wf: Path) -> dict[tuple[str, str], list[str]]:
-    """(rule, experiment) -> SLURM job ids, from the plugin's log files
-    logs/slurm/rule_<rule>/<experiment>/<job id>.log."""
-    jobs: dict[tuple[str, str], list[str]] = {}
-    for log in wf.glob("logs/slurm/rule_*/*/*.log"):
-        rule = log.parent.parent.name.removeprefix("rule_")
-        jobs.setdefault((rule, log.parent.name), []).append(log.stem)
+def submitted_jobs(wf: Path) -> dict[str, list[str]]:
+    """Job name (`rule_<group name>`) -> SLURM job ids, from the plugin's log files
+    logs/slurm/group_<group name>/<job id>.log."""
+    jobs: dict[str, list[str]] = {}
+    for log in wf.glob("logs/slurm/group_*/*.log"):
+        jobs.setdefault("rule_" + log.parent.name.removeprefix("group_"), []).append(log.stem)
     return jobs
 
 
 def test_every_output_is_made(slurm_run):
-    wf, _ = slurm_run
+    wf, _, _ = slurm_run
     for exp in EXPERIMENTS:
         folder = wf / "results" / exp
         assert (folder / "best.tar").is_file()
@@ -121,20 +131,36 @@ def test_every_output_is_made(slurm_run):
     with open(wf / "results/leaderboard.csv") as f:
         assert {row["experiment"] for row in csv.DictReader(f)} == set(EXPERIMENTS)
     assert "Ranked by `test accuracy`" in (wf / "results/leaderboard.md").read_text()
+    assert (wf / "results/digits_mlp/model.safetensors").stat().st_size > 0
+
+
+def test_one_submission_per_experiment(slurm_run, slurm_cluster):
+    """slurmctld took three batch jobs for three experiments (not one per rule), and
+    each ran all of its experiment's jobs: train, evaluate, run (and export)."""
+    wf, _, submitted = slurm_run
+    names = sorted(slurm_cluster.scontrol_job(job)["Comment"] for job in submitted)
+    assert names == sorted(f"rule_exp_{exp}_{GROUP_RULES[exp]}" for exp in EXPERIMENTS), \
+        (submitted, names)
+    jobs = submitted_jobs(wf)
+    for exp, rules in GROUP_RULES.items():
+        (job,) = jobs[f"rule_exp_{exp}_{rules}"]
+        text = (wf / f"logs/slurm/group_exp_{exp}_{rules}/{job}.log").read_text()
+        ran = re.findall(r"^Finished jobid: \d+ \(Rule: (\w+)\)$", text, re.M)
+        assert sorted(set(ran)) == rules.split("_"), (exp, ran, text[-3000:])
 
 
 def test_each_job_got_the_resources_its_experiment_asked_for(slurm_run, slurm_cluster):
-    wf, _ = slurm_run
+    wf, _, _ = slurm_run
     jobs = submitted_jobs(wf)
-    # one job per rule and experiment (no retries); report runs where Snakemake runs
-    assert set(jobs) == set(EXPECTED), jobs
-    for (rule, exp), ids in sorted(jobs.items()):
-        assert len(ids) == 1, (rule, exp, ids)
-        job = slurm_cluster.scontrol_job(ids[0])
-        where = f"{rule} {exp} (job {ids[0]}): {job}"
-        cpus, mem, limit, gpus = EXPECTED[rule, exp]
+    # one job per experiment (no retries); report runs where Snakemake runs
+    assert set(jobs) == {f"rule_exp_{exp}_{GROUP_RULES[exp]}" for exp in EXPERIMENTS}, jobs
+    for exp, (cpus, mem, limit, gpus) in EXPECTED.items():
+        name = f"rule_exp_{exp}_{GROUP_RULES[exp]}"
+        (job_id,) = jobs[name]
+        job = slurm_cluster.scontrol_job(job_id)
+        where = f"{exp} (job {job_id}): {job}"
         assert job["JobState"] == "COMPLETED", where
-        assert job["Comment"] == f"rule_{rule}_wildcards_{exp}", where
+        assert job["Comment"] == name, where
         assert Path(job["WorkDir"]) == wf, where
         assert job["Partition"] == "main", where
         assert (job["NumNodes"], job["NumCPUs"], job["MinMemoryNode"], job["TimeLimit"]) == \
@@ -144,13 +170,14 @@ def test_each_job_got_the_resources_its_experiment_asked_for(slurm_run, slurm_cl
         # without accounting of gres/gpu, TRES leaves GPUs out; TresPerJob has them
         assert job.get("TresPerJob") == (f"gres:gpu:{gpus}" if gpus else None), where
     # one task per GPU, each with its share of the CPUs
-    train = slurm_cluster.scontrol_job(jobs["train", "ranks"][0])
+    (ranks,) = jobs[f"rule_exp_ranks_{GROUP_RULES['ranks']}"]
+    train = slurm_cluster.scontrol_job(ranks)
     assert (train["NumTasks"], train["CPUs/Task"], train["NtasksPerTRES"]) == \
         ("2", "1", "1"), train
 
 
 def test_srun_launcher_runs_one_rank_per_gpu(slurm_run):
-    wf, probe = slurm_run
+    wf, probe, _ = slurm_run
     seen, first_epoch = {}, {}
     for rank in (0, 1):
         text = (probe / f"rank{rank}.jsonl").read_text()

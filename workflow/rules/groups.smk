@@ -10,7 +10,8 @@ run side by side and taking the largest of jobs that run one after another
 another, after train, on what train was given; so when the group starts with
 train still to do, evaluate, run and export ask for nothing of their own there,
 and the group's job is train's: its CPUs, GPUs, memory, nodes and wall time.
-Inside the job each still gets its own share of the allocation (its srun step).
+Inside the job they run as one step on all of it (or, with an srun launcher,
+train's srun steps and the others beside them in the batch script).
 
 An experiment whose training had already finished when the workflow started
 (only evaluate, run or export to do, or train to redo after an edit) keeps one
@@ -46,10 +47,12 @@ def experiment_group(wildcards):
 
 
 def _rides_with_train(wildcards):
-    """True where Snakemake sums up a group to submit it (the submitting process
-    of a cluster executor) and this job is in its experiment's group."""
-    submitting = workflow.non_local_exec and not workflow.remote_exec
-    return submitting and experiment_group(wildcards) is not None
+    """True where Snakemake sums up a group to run it as one: the process that
+    submits it, and the one inside the cluster job that starts it as one step
+    (both use a cluster executor), for a job in its experiment's group. The
+    Snakemake that then runs the jobs one by one executes locally and gives each
+    its own resources."""
+    return workflow.non_local_exec and experiment_group(wildcards) is not None
 
 
 def own_share(resource):
