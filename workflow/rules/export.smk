@@ -16,10 +16,10 @@ rule export:
         "logs/export/{exp}.{fmt}.log",
     wildcard_constraints:
         fmt="onnx|safetensors",
-    conda:
-        "../envs/echelon3.yaml"
     group:
         experiment_group
+    conda:
+        "../envs/echelon3.yaml"
     resources:
         cpus_per_task=own_share(1),
         mem_mb=own_share(mem_mb),

@@ -8,10 +8,10 @@ rule run:
         predictions="results/{exp}/predictions.csv",
     log:
         "logs/run/{exp}.log",
-    conda:
-        "../envs/echelon3.yaml"
     group:
         experiment_group
+    conda:
+        "../envs/echelon3.yaml"
     threads: cpus
     resources:
         cpus_per_task=own_share(cpus),

@@ -11,10 +11,10 @@ rule train:
         summary="results/{exp}/summary.json",
     log:
         "logs/train/{exp}.log",
-    conda:
-        "../envs/echelon3.yaml"
     group:
         experiment_group
+    conda:
+        "../envs/echelon3.yaml"
     threads: cpus
     resources:
         cpus_per_task=train_cpus_per_task,
