@@ -40,9 +40,9 @@ def _untrained_at_start(exp):
 
 
 def experiment_group(wildcards):
-    """`exp_<name>` (any '/' of a sweep point as '_'), or no group."""
+    """`exp_<name>` (a sweep point's slash as '_'), or no group."""
     if ONE_JOB_PER_EXPERIMENT and _untrained_at_start(wildcards.exp):
-        return "exp_" + wildcards.exp.replace("/", "_")
+        return f"exp_{wildcards.exp.replace(os.sep, '_')}"
     return None
 
 
