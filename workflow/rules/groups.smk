@@ -10,13 +10,13 @@ run side by side and taking the largest of jobs that run one after another
 another, after train, on what train was given; so when the group starts with
 train still to do, evaluate, run and export ask for nothing of their own there,
 and the group's job is train's: its CPUs, GPUs, memory, nodes and wall time.
-Inside the job they run as one step on all of it (or, with an srun launcher,
-train's srun steps and the others beside them in the batch script).
+Inside the job they run in one srun step on all of it, or, where train starts
+its own srun (several nodes, `launcher: srun`), in the batch script.
 
 An experiment whose training had already finished when the workflow started
 (only evaluate, run or export to do, or train to redo after an edit) keeps one
-job per rule with its own resources; so does a group given another attempt
-(`retries`), which keeps what the first attempt had.
+job per rule with its own resources. A group submitted again (`retries`) keeps
+its jobs and train's resources, even when train finished in the first attempt.
 """
 
 EXPERIMENT_RULES = ("train", "finetune", "evaluate", "run", "export")
