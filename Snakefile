@@ -22,6 +22,7 @@ warn_placeholder_slurm_settings()
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/chains.smk"
+include: "workflow/rules/groups.smk"
 include: "workflow/rules/report_inputs.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/finetune.smk"

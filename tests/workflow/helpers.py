@@ -57,13 +57,21 @@ def snakemake(cwd: Path, *args: str, timeout: float = DRY_S, env: dict | None = 
     return proc.stdout
 
 
-JOB = re.compile(r"^(?:local)?rule (\w+):\n((?:[ \t]+.*\n)*)", re.M)
+# A job of a dry run: `rule <name>:` and its lines, indented deeper; inside a
+# group job's listing (a cluster profile) the whole block is indented.
+JOB = re.compile(r"^(?P<indent>[ \t]*)(?:local)?rule (?P<rule>\w+):\n"
+                 r"(?P<body>(?:(?P=indent)[ \t]+.*\n)*)", re.M)
+
+
+def jobs_listed(output: str) -> list[tuple[str, str]]:
+    """(rule, its indented lines) of every job a dry run lists."""
+    return [(m["rule"], m["body"]) for m in JOB.finditer(output)]
 
 
 def planned(output: str) -> set[tuple[str, str | None]]:
     """(rule, experiment) of every job a dry run lists."""
     jobs = set()
-    for rule, body in JOB.findall(output):
+    for rule, body in jobs_listed(output):
         found = re.search(r"wildcards: exp=([^,\s]+)", body)
         jobs.add((rule, found.group(1) if found else None))
     return jobs
@@ -85,7 +93,7 @@ def shell_commands(output: str) -> list[str]:
 
 
 def resources_of(output: str, rule: str, exp: str) -> dict[str, str]:
-    for name, body in JOB.findall(output):
+    for name, body in jobs_listed(output):
         if name == rule and f"wildcards: exp={exp}\n" in body:
             line = re.search(r"resources: (.*)", body).group(1)
             return dict(item.split("=", 1) for item in re.split(r", (?=\w+=)", line))

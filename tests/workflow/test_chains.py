@@ -8,12 +8,13 @@ import re
 
 import pytest
 
-from tests.workflow.helpers import (CHAIN, JOB, copy_finished, copy_workflow, experiment,
-                                    failing, jobs_for, planned, shell_commands, snakemake)
+from tests.workflow.helpers import (CHAIN, copy_finished, copy_workflow, experiment,
+                                    failing, jobs_for, jobs_listed, planned, shell_commands,
+                                    snakemake)
 
 
 def job_body(output: str, rule: str, exp: str) -> str:
-    for name, body in JOB.findall(output):
+    for name, body in jobs_listed(output):
         if name == rule and re.search(rf"wildcards: exp={re.escape(exp)}\b", body):
             return body
     raise AssertionError(f"no {rule} job for {exp} in:\n{output[-3000:]}")
@@ -35,7 +36,7 @@ def test_finetuned_sweep_and_exports_depend_on_their_parent(tmp_path):
         (command,) = [c for c in shell_commands(out)
                       if c.startswith("echelon3 train") and f"results/{point}'" in c]
         assert "init_from.checkpoint=results/base/best.tar" in command
-        exports = [b for name, b in JOB.findall(out) if name == "export" and point in b]
+        exports = [b for name, b in jobs_listed(out) if name == "export" and point in b]
         assert {re.search(r"output: (\S+)", b).group(1) for b in exports} == {
             f"results/{point}/model.onnx", f"results/{point}/model.safetensors"}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 from tests.workflow.helpers import (CHAIN, RUN_S, SLURM_TOOLS, copy_workflow, env_with,
@@ -116,19 +117,28 @@ def fake_slurm(folder: Path) -> Path:
 SIGNAL = "--signal=USR1@120"
 
 
-def test_slurm_plugin_submits_the_expected_sbatch_options(tmp_path):
-    wf = copy_workflow(tmp_path / "wf", GPU_CONFIG)
+def sbatch_calls(wf: Path, tmp_path: Path, *args: str) -> list[str]:
+    """The sbatch command lines (options only) of a run of the whole workflow
+    under profiles/slurm, whose sbatch refuses every job."""
     fakes = fake_slurm(tmp_path / "bin")
     calls = tmp_path / "sbatch.calls"
     env = env_with(SBATCH_CALLS=str(calls))
     env["PATH"] = f"{fakes}{os.pathsep}{env['PATH']}"
     out = snakemake(wf, "--profile", "profiles/slurm", "--retries", "0", "--jobs", "4",
-                    "--slurm-init-seconds-before-status-checks", "1", "results/cpu/best.tar", "results/one_node/best.tar",
-                    "results/two_nodes/best.tar", "results/tasks/best.tar", env=env, check=False,
-                    timeout=RUN_S)
-    assert "sbatch: error: refused" in out
-    submitted = {re.search(r"--comment rule_train_wildcards_(\S+)", c).group(1):
-                 c.split(" --wrap=")[0] for c in calls.read_text().splitlines()}
+                    "--slurm-init-seconds-before-status-checks", "1", *args, env=env,
+                    check=False, timeout=RUN_S)
+    assert calls.is_file() and "At least one job did not complete" in out, out[-3000:]
+    return [c.split(" --wrap=")[0] for c in calls.read_text().splitlines()]
+
+
+def test_slurm_plugin_submits_the_expected_sbatch_options(tmp_path):
+    """One job per experiment (train, evaluate and run of it: one Snakemake group),
+    with exactly train's options: evaluate and run add nothing to them."""
+    wf = copy_workflow(tmp_path / "wf", GPU_CONFIG)
+    calls = sbatch_calls(wf, tmp_path)
+    submitted = {re.search(r"--comment rule_exp_(\S+)_evaluate_run_train ", c).group(1): c
+                 for c in calls}
+    assert len(calls) == len(submitted), calls
     assert set(submitted) == {"cpu", "one_node", "two_nodes", "tasks"}
     for options in submitted.values():
         assert " -p gpu " in options and " -A my_account " in options
@@ -146,6 +156,32 @@ def test_slurm_plugin_submits_the_expected_sbatch_options(tmp_path):
         "-t 60 --mem 4000 --nodes=1 --ntasks-per-gpu=1 --ntasks=2 --cpus-per-task=4 "
         + SIGNAL + " -D "
         + str(wf) + " --gpus=2")
+
+
+def test_trained_experiments_and_the_switch_submit_a_job_per_rule(tmp_path):
+    """An experiment trained before the workflow started submits evaluate and run
+    as jobs of their own, each with its own options; one_job_per_experiment: false
+    does so for every experiment."""
+    wf = copy_workflow(tmp_path / "wf", {"experiments": {
+        "cpu": GPU_CONFIG["experiments"]["cpu"], "tasks": GPU_CONFIG["experiments"]["tasks"]}})
+    (wf / "results/cpu").mkdir(parents=True)
+    for name in ("best.tar", "summary.json"):
+        (wf / "results/cpu" / name).write_text("{}")
+    calls = sbatch_calls(wf, tmp_path)
+    own = "-t 30 --mem 4000 --nodes=1 --ntasks=1 --cpus-per-task=2 -D " + str(wf)
+    comments = {re.search(r"--comment (\S+)", c).group(1): c for c in calls}
+    assert set(comments) == {"rule_evaluate_wildcards_cpu", "rule_run_wildcards_cpu",
+                             "rule_exp_tasks_evaluate_run_train"}, calls
+    assert comments["rule_evaluate_wildcards_cpu"].endswith(own)
+    assert comments["rule_run_wildcards_cpu"].endswith(own)
+
+    shutil.rmtree(wf / "results")
+    (tmp_path / "off").mkdir()
+    off = sbatch_calls(wf, tmp_path / "off", "--config", "one_job_per_experiment=False")
+    comments = {re.search(r"--comment (\S+)", c).group(1): c for c in off}
+    assert set(comments) == {"rule_train_wildcards_cpu", "rule_train_wildcards_tasks"}, off
+    assert comments["rule_train_wildcards_cpu"].endswith(
+        "-t 30 --mem 4000 --nodes=1 --ntasks=1 --cpus-per-task=2 " + SIGNAL + " -D " + str(wf))
 
 
 def test_a_second_profile_adds_site_settings(tmp_path):

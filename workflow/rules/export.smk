@@ -16,11 +16,14 @@ rule export:
         "logs/export/{exp}.{fmt}.log",
     wildcard_constraints:
         fmt="onnx|safetensors",
+    group:
+        experiment_group
     conda:
         "../envs/echelon3.yaml"
     resources:
-        mem_mb=mem_mb,
-        runtime=runtime,
+        cpus_per_task=own_share(1),
+        mem_mb=own_share(mem_mb),
+        runtime=own_share(runtime),
     params:
         config_dir=config_dir,
         config_name=config_name,

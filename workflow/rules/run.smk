@@ -8,16 +8,18 @@ rule run:
         predictions="results/{exp}/predictions.csv",
     log:
         "logs/run/{exp}.log",
+    group:
+        experiment_group
     conda:
         "../envs/echelon3.yaml"
     threads: cpus
     resources:
-        cpus_per_task=cpus,
-        mem_mb=mem_mb,
-        runtime=runtime,
-        nodes=1,
-        gpu=one_gpu,
-        tasks_per_gpu=no_tasks_per_gpu,
+        cpus_per_task=own_share(cpus),
+        mem_mb=own_share(mem_mb),
+        runtime=own_share(runtime),
+        nodes=own_share(1),
+        gpu=own_share(one_gpu),
+        tasks_per_gpu=own_share(no_tasks_per_gpu),
     params:
         config_dir=config_dir,
         config_name=config_name,

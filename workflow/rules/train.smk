@@ -11,6 +11,8 @@ rule train:
         summary="results/{exp}/summary.json",
     log:
         "logs/train/{exp}.log",
+    group:
+        experiment_group
     conda:
         "../envs/echelon3.yaml"
     threads: cpus
