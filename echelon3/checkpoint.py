@@ -233,7 +233,7 @@ class CheckpointManager:
         errors = []
         for path in candidates:
             try:
-                return path, load(path)
+                return path, self.load(path)
             except CheckpointError as e:
                 errors.append(e)
                 log.warning("skipping %s", e)
@@ -242,6 +242,10 @@ class CheckpointManager:
                                   f"{len(candidates)} checkpoint(s) in {self.path}: move them "
                                   "away to start over")
         return None
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """One rolling checkpoint (:func:`load`; a subclass may read other layouts)."""
+        return load(path)
 
     def for_inference(self, checkpoint: str | None = None) -> Path:
         """``checkpoint`` if given (relative to ``target.path``), else best.tar, else newest."""
