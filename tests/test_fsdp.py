@@ -166,3 +166,30 @@ def test_killed_two_rank_fsdp_resumes_from_its_last_complete_checkpoint(runs, tm
     assert not torn.exists()
     mine, ref = _weights(tmp_path), _weights(runs["fsdp"])
     assert all(torch.equal(mine[k], ref[k]) for k in ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first,then", [("ddp", "fsdp"), ("fsdp", "ddp")])
+def test_a_run_continues_under_the_other_strategy(runs, tmp_path, first, then):
+    """The strategy is not part of the run's identity: epoch 1 under one, 2-3 under the other."""
+    _config(tmp_path, first)
+    _train(tmp_path, 2, "trainer.config.epochs=1")
+    _config(tmp_path, then)
+    _train(tmp_path, 2)
+    mine, ref = _weights(tmp_path), _weights(runs["ddp"])
+    for key in ref:
+        torch.testing.assert_close(mine[key], ref[key], rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.slow
+def test_accumulation_under_fsdp_equals_ddp(tmp_path):
+    """grad_accum_steps=3: FSDP skips the reduce-scatter inside a window, DDP the all-reduce."""
+    weights = {}
+    for strategy in ("ddp", "fsdp"):
+        _config(tmp_path / strategy, strategy)
+        _train(tmp_path / strategy, 2, "trainer.config.grad_accum_steps=3",
+               "trainer.config.epochs=1")
+        weights[strategy] = _weights(tmp_path / strategy, 1)
+    for key in weights["ddp"]:
+        torch.testing.assert_close(weights["fsdp"][key], weights["ddp"][key], rtol=0,
+                                   atol=TOLERANCE)
