@@ -99,7 +99,7 @@ def check_policy(device, backend: str = "nccl") -> None:
         dcp.load(state, checkpoint_id=tmp)
         same = all(torch.equal(v.full_tensor(), saved[k]) for k, v in net.state_dict().items())
         row("fsdp dcp save -> load round trip", same, same)
-    full = consolidated(net)
+    full = consolidated(net.state_dict())
     ok = full.keys() == saved.keys() and all(
         full[k].device.type == "cpu" and torch.equal(full[k], saved[k].cpu()) for k in full)
     row("fsdp consolidated: unprefixed, on CPU, equal", ok, ok)

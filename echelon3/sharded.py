@@ -2,19 +2,21 @@
 
 Under FSDP a rolling or preemption checkpoint is a folder,
 ``checkpoint-<epoch>.dcp/`` or ``checkpoint-<epoch>-step<step>.dcp/``: every rank
-writes its own shard of the network and optimizer state (``__<rank>_0.distcp``,
-``.metadata``), rank 0 adds ``state.pt``, the rest of the checkpoint as plain
-data (epoch, step, metrics, every rank's RNG states, mid-epoch state). The folder
+writes its own shard (``__<rank>_0.distcp``, ``.metadata``) of the optimizer state
+and of every entry shaped like the network's weights (``model_state_dict``, and
+any other such as averaged weights); rank 0 adds ``state.pt``, the rest of the
+checkpoint as plain data (epoch, step, metrics, every rank's RNG states, mid-epoch
+state, which entries are sharded). The folder
 is written as ``.<name>.tmp/`` and renamed when every rank has finished, so a torn
 save is never taken as the latest (leftovers go at the next start, as files do);
 retention is that of files. It loads at any world size: each rank reads the
 parts of the saved shards that its own shard covers.
 
-``best.tar`` stays one consolidated rank-0 file without prefixes: the parameters
-are gathered one at a time and moved to the CPU (``full_state_dict`` with
-``cpu_offload``), so no rank's GPU holds the whole network. It carries no optimizer
-state (``optimizer_state_dict: None``); evaluate, run, export and finetune read
-only the weights.
+``best.tar`` stays one consolidated rank-0 file without prefixes: every
+weight-shaped entry is gathered one tensor at a time and moved to rank 0's CPU, so
+no rank's GPU holds the whole network. It carries no optimizer state
+(``optimizer_state_dict: None``); evaluate, run, export and finetune read only the
+weights.
 
 Under ``ddp`` the manager writes files as before but still reads these folders, so
 a run whose strategy changed (``on_config_change: resume``) continues either way.
@@ -36,8 +38,22 @@ from echelon3.errors import CheckpointError, write_error
 
 STATE = "state.pt"
 SHARDED = "sharded"  # in a loaded state: the folder whose shards are still to be read
+KEYS = "sharded_keys"  # in state.pt: the weight-shaped entries written as shards
+WEIGHTS, OPTIMIZER = "model_state_dict", "optimizer_state_dict"
 _FOLDER = re.compile(r"^checkpoint-(\d+)(?:-step(\d+))?\.dcp$")
-_TENSORS = ("model_state_dict", "optimizer_state_dict")
+
+
+def weight_keys(state: dict[str, Any]) -> list[str]:
+    """The entries shaped like the network's weights (same names, all tensors)."""
+    names = set(state[WEIGHTS])
+    return [k for k, v in state.items() if isinstance(v, dict) and v and set(v) == names
+            and all(torch.is_tensor(t) for t in v.values())]
+
+
+def _rest(state: dict[str, Any]) -> dict[str, Any]:
+    sharded = weight_keys(state)
+    return {**{k: v for k, v in state.items() if k not in sharded and k != OPTIMIZER},
+            KEYS: sharded}
 
 
 class ShardedCheckpoints(CheckpointManager):
@@ -99,28 +115,28 @@ class ShardedCheckpoints(CheckpointManager):
         """Consolidate on rank 0's CPU (a collective under FSDP), write ``best.tar``."""
         if not self.sharded:
             return super().save_best(state)
-        full = consolidated(self.model)
+        full = {k: consolidated(state[k]) for k in weight_keys(state)}
         if is_main():
-            rest = {k: v for k, v in state.items() if k not in _TENSORS}
-            atomic_save({**rest, "model_state_dict": full, "optimizer_state_dict": None},
-                        self.path / KEPT_BEST)
+            rest = {k: v for k, v in _rest(state).items() if k != KEYS}
+            atomic_save({**rest, **full, OPTIMIZER: None}, self.path / KEPT_BEST)
             self._publish_best()
 
     def _write(self, state: dict[str, Any], name: str) -> Path:
         """Every rank its shard, rank 0 the rest; renamed into place once all are done."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         final, tmp = self.path / name, self.path / f".{name}.tmp"
         if is_main():
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        model, optim = get_state_dict(self.model, self.optimizer)
+        shards = {k: state[k] for k in weight_keys(state)}
+        shards[OPTIMIZER] = get_optimizer_state_dict(self.model, self.optimizer)
         try:
-            dcp.save({"model": model, "optim": optim}, checkpoint_id=tmp)
+            dcp.save(shards, checkpoint_id=tmp)
             if is_main():
-                atomic_save({k: v for k, v in state.items() if k not in _TENSORS}, tmp / STATE)
+                atomic_save(_rest(state), tmp / STATE)
                 _remove(final)
                 os.replace(tmp, final)
                 _fsync_dir(self.path)
@@ -141,42 +157,55 @@ class ShardedCheckpoints(CheckpointManager):
         return stale
 
 
-def consolidated(model) -> dict[str, torch.Tensor]:
-    """The whole network's weights on rank 0's CPU, gathered one parameter at a time;
+def consolidated(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole tensors on rank 0's CPU, gathered one at a time (a collective when sharded);
     ``{}`` on the other ranks."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from echelon3.dist import get_rank
 
-    if not torch.distributed.is_initialized():
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                cpu_offload=True))
+    full = {}
+    for key, value in weights.items():
+        if hasattr(value, "full_tensor"):
+            if value.device.type == "cpu" and torch.distributed.get_backend() == "nccl":
+                value = value.cuda()  # offloaded: gathered over NCCL, one tensor at a time
+            whole = value.full_tensor()
+        else:
+            whole = value
+        if get_rank() == 0:
+            full[key] = whole.detach().cpu()
+        del whole
+    return full
 
 
-def restore(state: dict[str, Any], model, optimizer) -> None:
-    """Put a resume checkpoint's network and optimizer state into the wrapped ``model``
-    and ``optimizer`` (a sharded folder is read here; a file's weights were loaded
-    before wrapping). ``state["optimizer_state_dict"]`` then holds what the trainer loads."""
+def read_sharded(state: dict[str, Any], model, optimizer) -> None:
+    """Fill a sharded checkpoint's weight-shaped entries (laid out as ``model``'s own
+    weights) and put its optimizer state into ``optimizer``; then
+    ``state["optimizer_state_dict"]`` is what the trainer loads, as from a file."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    net = unwrap(model)
+    own = net.state_dict()
+    shards = {k: {name: torch.empty_like(v) for name, v in own.items()} for k in state[KEYS]}
+    shards[OPTIMIZER] = get_optimizer_state_dict(net, optimizer)
+    try:
+        dcp.load(shards, checkpoint_id=state[SHARDED])
+    except Exception as e:
+        raise CheckpointError(state[SHARDED], "does not fit the configured network and "
+                              f"optimizer: {str(e).strip().splitlines()[0]}") from e
+    set_optimizer_state_dict(net, optimizer, optim_state_dict=shards.pop(OPTIMIZER))
+    state.update(shards)
+    state[OPTIMIZER] = optimizer.state_dict()
+
+
+def lay_out_optimizer(state: dict[str, Any], model, optimizer) -> None:
+    """A file's optimizer state (full size) laid out as the sharded parameters."""
     from echelon3.fsdp import like, sharded_module
 
-    if SHARDED in state:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        net = unwrap(model)
-        weights, optim = get_state_dict(net, optimizer)
-        try:
-            dcp.load({"model": weights, "optim": optim}, checkpoint_id=state[SHARDED])
-        except Exception as e:
-            raise CheckpointError(state[SHARDED], "does not fit the configured network and "
-                                  f"optimizer: {str(e).strip().splitlines()[0]}") from e
-        set_state_dict(net, optimizer, model_state_dict=weights, optim_state_dict=optim)
-        state["optimizer_state_dict"] = optimizer.state_dict()
-        return
     if sharded_module(model) is None:
         return
-    params = [p for group in optimizer.param_groups for p in group["params"]]  # a file's
-    # optimizer state, full size, laid out as the sharded parameters
-    for index, saved in state["optimizer_state_dict"]["state"].items():
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, saved in state[OPTIMIZER]["state"].items():
         param = params[int(index)]
         for key, value in saved.items():
             if torch.is_tensor(value) and value.shape == param.shape and value.dim():

@@ -34,7 +34,7 @@ from echelon3.checkpoint import (BEST, KEPT_BEST, CheckpointManager, atomic_writ
                                  load_weights)
 from echelon3.config import RunConfig, changed_keys, require
 from echelon3.ddp import DDP_KEYS, check_settings
-from echelon3.dist import is_main
+from echelon3.dist import is_main, unwrap
 from echelon3.errors import CheckpointError, ConfigError
 from echelon3.extension import check_extend, check_extension, planned_epochs
 from echelon3.finetune import WarmStart, scale_group_lrs
@@ -44,7 +44,7 @@ from echelon3.precision import Precision
 from echelon3.summary import SUMMARY, finish, forget_unfinished
 from echelon3.optimizers.closure import is_closure_optimizer
 from echelon3.rng import seed_everything
-from echelon3.sharded import SHARDED, ShardedCheckpoints, restore
+from echelon3.sharded import SHARDED, ShardedCheckpoints, lay_out_optimizer, read_sharded
 from echelon3.train_data import train_loaders
 
 log = logging.getLogger(__name__)
@@ -210,8 +210,11 @@ def assemble_and_fit(rc: RunConfig, device, launcher):
     profiling = bool((cfg.trainer.get("config") or {}).get("profile"))
     model = strategy.wrap(net, device, launcher.world_size, settings, profiling)
     checkpoints.attach(model, optimizer)
-    if state is not None:
-        restore(state, model, optimizer)
+    if state is not None and SHARDED in state:
+        read_sharded(state, model, optimizer)
+        load_weights(unwrap(model), state, path)
+    elif state is not None:
+        lay_out_optimizer(state, model, optimizer)
     if strategy.sharded and launcher.world_size > 1:
         val_loaders = lockstep(val_loaders, model, precision, device)
     # Same initial weights everywhere (seeded above); from here each rank draws its own
