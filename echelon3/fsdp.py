@@ -119,7 +119,11 @@ def mp_policy(mode: str):
 
 
 def check_runtime(settings: dict, fsdp: dict, device) -> None:
-    """What FSDP refuses of ``trainer.config`` and ``fsdp``, before anything starts."""
+    """What FSDP refuses of ``trainer.config`` and ``fsdp``, before anything starts
+    (at any world size, so that a config that runs in one process runs on N)."""
+    from echelon3.precision import resolve_mode
+
+    mp_policy(resolve_mode(settings["precision"], torch.device(device)))
     if settings["ddp_comm"] != "none":
         raise ConfigError("trainer.config.ddp_comm", "is a DDP comm hook; with strategy fsdp "
                           "use the bf16 mixed-precision policy (trainer.config.precision: bf16)")
@@ -237,6 +241,8 @@ class Strategy:
         """Before the optimizer is built: activation checkpointing, then (FSDP, several
         ranks) sharding; ``params`` (a list, or a list of groups) as the sharded parameters."""
         checkpoint_activations(self.cfg, net)
+        if self.fsdp is not None:
+            matching(net, self.fsdp["units"], "fsdp.units")  # checked in one process too
         if self.fsdp is None or world_size < 2:
             return params
         from echelon3.precision import resolve_mode

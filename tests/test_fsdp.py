@@ -61,8 +61,63 @@ def _weights(directory: Path, epoch: int = EPOCHS) -> dict:
     run = directory / "run"
     if (run / f"checkpoint-{epoch}.tar").exists():
         return torch.load(run / f"checkpoint-{epoch}.tar", weights_only=True)["model_state_dict"]
-    return sharded_state(run / f"checkpoint-{epoch}.dcp", directory)["model"]
+    return sharded_state(run / f"checkpoint-{epoch}.dcp", directory)["model_state_dict"]
 
+
+# --------------------------------------------------------------------------- settings, refusals
+
+def _settings(**trainer):
+    from echelon3.ddp import DDP_KEYS
+
+    return {"precision": "fp32", "compile": False, **DDP_KEYS, **trainer}
+
+
+@pytest.mark.parametrize("cfg,trainer,key", [
+    ({"strategy": "zero3"}, {}, "strategy"),
+    ({"strategy": "fsdp", "fsdp": {"unit": ["Block"]}}, {}, "fsdp.unit"),
+    ({"strategy": "fsdp", "fsdp": {"units": "Block"}}, {}, "fsdp.units"),
+    ({"strategy": "fsdp", "fsdp": {"units": ["(Block"]}}, {}, "fsdp.units"),
+    ({"strategy": "fsdp", "fsdp": {"offload": "yes"}}, {}, "fsdp.offload"),
+    ({"strategy": "fsdp", "fsdp": {"offload": True}}, {}, "fsdp.offload"),
+    ({"strategy": "fsdp"}, {"precision": "fp16"}, "trainer.config.precision"),
+    ({"strategy": "fsdp"}, {"ddp_comm": "fp16"}, "trainer.config.ddp_comm"),
+])
+def test_refusals_name_the_key(cfg, trainer, key):
+    from echelon3.errors import ConfigError
+    from echelon3.fsdp import Strategy
+
+    with pytest.raises(ConfigError) as caught:
+        Strategy(cfg, _settings(**trainer), torch.device("cpu"))
+    assert caught.value.key == key and "\n" not in str(caught.value)
+
+
+def test_units_and_checkpointing_match_class_names_and_regexes():
+    from echelon3.errors import ConfigError
+    from echelon3.fsdp import Strategy
+    from echelon3.nets.transformer import RowTransformer, TransformerBlock
+
+    net = RowTransformer(dim=8, heads=2, depth=3)
+    names = dict(net.named_parameters())
+    cfg = {"strategy": "fsdp", "fsdp": {"units": ["Transformer.*"]},
+           "activation_checkpointing": ["TransformerBlock"]}
+    params = Strategy(cfg, _settings(), torch.device("cpu")).prepare(
+        net, list(names.values()), torch.device("cpu"), 1, _settings())
+    assert params == list(names.values())  # one process: nothing sharded, names kept
+    assert dict(net.named_parameters()).keys() == names.keys()
+    calls = []
+    for block in (m for m in net.modules() if isinstance(m, TransformerBlock)):
+        block.mlp[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    out = net(torch.randn(4, 64))
+    assert len(calls) == 3
+    out.sum().backward()  # each block's activations were not kept: computed again here
+    assert len(calls) == 6
+    assert all(p.grad is not None for p in net.parameters())
+    with pytest.raises(ConfigError, match="'Blok' matches no module .*TransformerBlock"):
+        Strategy({**cfg, "fsdp": {"units": ["Blok"]}}, _settings(), "cpu").prepare(
+            RowTransformer(dim=8, heads=2), [], torch.device("cpu"), 1, _settings())
+
+
+# --------------------------------------------------------------------------- runs
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
@@ -97,7 +152,7 @@ def test_sharded_checkpoint_layout_and_a_consolidated_best(runs):
     for key, value in saved.items():
         assert type(best["model_state_dict"][key]) is torch.Tensor
         assert torch.equal(best["model_state_dict"][key], value)
-    optim = sharded_state(folder, runs["fsdp"])["optim"]
+    optim = sharded_state(folder, runs["fsdp"])["optimizer_state_dict"]
     assert set(optim["state"]) == {"fc.weight", "fc.bias"}  # AdamW's moments, by name
     assert float(optim["state"]["fc.weight"]["step"]) == EPOCHS * STEPS
     # validation ran through the lockstep shards (17 and 16 batches), every sample once
