@@ -170,6 +170,7 @@ def _history(directory: Path) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["split"] != "time"]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_written_at_2_ranks_resumes_at_1_then_3(runs, tmp_path):
     _config(tmp_path)
     shutil.copytree(runs["fsdp"] / "run", tmp_path / "run")  # its first epoch, at 2 ranks
