@@ -37,6 +37,11 @@ _ROLLING = re.compile(r"^checkpoint-(\d+)(?:-step(\d+))?\.tar$")
 TRAINING_WEIGHTS = "training_model_state_dict"
 
 
+def training_weights(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with the weights training goes on from as ``model_state_dict``."""
+    return {**state, "model_state_dict": state.get(TRAINING_WEIGHTS) or state["model_state_dict"]}
+
+
 def _drop_leading(key: str, prefix: str) -> str:
     while key.startswith(prefix):
         key = key[len(prefix):]
@@ -236,7 +241,7 @@ class CheckpointManager:
         errors = []
         for path in candidates:
             try:
-                return path, load(path)
+                return path, self.load(path)
             except CheckpointError as e:
                 errors.append(e)
                 log.warning("skipping %s", e)
@@ -245,6 +250,10 @@ class CheckpointManager:
                                   f"{len(candidates)} checkpoint(s) in {self.path}: move them "
                                   "away to start over")
         return None
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """One rolling checkpoint (:func:`load`; a subclass may read other layouts)."""
+        return load(path)
 
     def for_inference(self, checkpoint: str | None = None) -> Path:
         """``checkpoint`` if given (relative to ``target.path``), else best.tar, else newest."""

@@ -94,7 +94,7 @@ def forget_unfinished(folder: Path, started: float) -> None:
     if not is_main() or not folder.is_dir():
         return
     if (folder / KEPT_BEST).exists() or (folder / BEST).exists() or \
-            any(folder.glob("checkpoint-*.tar")):
+            any(folder.glob("checkpoint-*.tar")) or any(folder.glob("checkpoint-*.dcp")):
         return
     for name in EARLY_FILES:
         path = folder / name

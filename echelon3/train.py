@@ -30,19 +30,21 @@ from omegaconf import OmegaConf
 
 from echelon3 import __version__, build, preemption, schedulers, splits
 from echelon3 import lock as run_lock
-from echelon3.checkpoint import (BEST, KEPT_BEST, TRAINING_WEIGHTS, CheckpointManager,
-                                 atomic_write_text, load_weights)
+from echelon3.checkpoint import (BEST, KEPT_BEST, CheckpointManager, atomic_write_text,
+                                 load_weights, training_weights)
 from echelon3.config import RunConfig, changed_keys, require
-from echelon3.ddp import DDP_KEYS, check_settings, wrap
-from echelon3.dist import is_main
+from echelon3.ddp import DDP_KEYS, check_settings
+from echelon3.dist import is_main, unwrap
 from echelon3.errors import CheckpointError, ConfigError
 from echelon3.extension import check_extend, check_extension, planned_epochs
 from echelon3.finetune import WarmStart, scale_group_lrs
+from echelon3.fsdp import Strategy, lockstep
 from echelon3.mlops import NoOpLogger
 from echelon3.precision import Precision
 from echelon3.summary import SUMMARY, finish, forget_unfinished
 from echelon3.optimizers.closure import is_closure_optimizer
 from echelon3.rng import seed_everything
+from echelon3.sharded import SHARDED, ShardedCheckpoints, lay_out_optimizer, read_sharded
 from echelon3.train_data import train_loaders
 
 log = logging.getLogger(__name__)
@@ -58,7 +60,7 @@ VOLATILE = ("device", "gpus", "nproc", "device_ids", "mlops", "evaluator", "runn
             "trainer.config.tf32", "trainer.config.cudnn_benchmark", "trainer.config.compile",
             "trainer.config.compile_mode", "trainer.config.log_every_n_steps",
             "trainer.config.progress_bar", "trainer.config.nan_policy", "trainer.config.profile",
-            "trainer.config.extend",
+            "trainer.config.extend", "strategy", "fsdp", "activation_checkpointing",
             "target.path", "target.checkpoints_to_keep", "export")
 _LOADER_VOLATILE = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
 ON_CHANGE = ("error", "restart", "resume")
@@ -169,10 +171,12 @@ def assemble_and_fit(rc: RunConfig, device, launcher):
     require(cfg, "net", "data", "dataloaders", "loss", "optimizer", "trainer", "target",
             task="train")
     settings = runtime_settings(cfg)
+    strategy = Strategy(cfg, settings, device)
     preemption.install()
     seed = int(cfg.get("seed", 0))
     seed_everything(seed)
-    checkpoints = build.build_target(cfg, rc.config_dir)
+    checkpoints = ShardedCheckpoints.like(build.build_target(cfg, rc.config_dir),
+                                          sharded=strategy.sharded)
     checkpoints.remove_leftovers()
     warm = WarmStart(cfg, rc.config_dir)
     net = build.build_net(cfg, rc.config_dir)
@@ -187,14 +191,15 @@ def assemble_and_fit(rc: RunConfig, device, launcher):
     path, state = find_resume_state(cfg, checkpoints, fp) or (None, None)
     if state is not None:
         check_extension(cfg, state, settings["extend"])
-        # With EMA, training goes on from the training weights, not the average.
-        load_weights(net, {"model_state_dict": state.get(TRAINING_WEIGHTS)
-                           or state["model_state_dict"]}, path)
+        if SHARDED not in state:  # a sharded one is read once the network is wrapped
+            # With EMA, training goes on from the training weights, not the average.
+            load_weights(net, training_weights(state), path)
     else:
         warm.load(net)
     net.to(device)
     losses = build.build_losses(cfg, rc.config_dir, device=device)
     metrics = build.build_metrics(cfg, rc.config_dir, device=device)
+    params = strategy.prepare(net, params, device, launcher.world_size, settings)
     optimizer = build.build_optimizer(cfg, params, rc.config_dir)
     scale_group_lrs(optimizer)
     scheduler = schedulers.build(cfg, optimizer, rc.config_dir,
@@ -206,7 +211,15 @@ def assemble_and_fit(rc: RunConfig, device, launcher):
     log.info("training on %s x%d, precision %s%s", device, launcher.world_size,
              precision.describe(), ", compiled" if settings["compile"] else "")
     profiling = bool((cfg.trainer.get("config") or {}).get("profile"))
-    model = wrap(net, device, launcher.world_size, settings, label_allreduce=profiling)
+    model = strategy.wrap(net, device, launcher.world_size, settings, profiling)
+    checkpoints.attach(model, optimizer)
+    if state is not None and SHARDED in state:
+        read_sharded(state, model, optimizer)
+        load_weights(unwrap(model), training_weights(state), path)
+    elif state is not None:
+        lay_out_optimizer(state, model, optimizer)
+    if strategy.sharded and launcher.world_size > 1:
+        val_loaders = lockstep(val_loaders, model, precision, device)
     # Same initial weights everywhere (seeded above); from here each rank draws its own
     # dropout masks and augmentations.
     seed_everything(seed + launcher.rank)

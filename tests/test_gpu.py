@@ -90,3 +90,17 @@ def test_no_host_sync_between_log_points(tmp_path):
         if step == 1:
             continue  # first-call set-up
         assert syncs <= (1 if step % 4 == 0 else 0), (step, syncs, per_step)
+
+
+def test_fsdp_bf16_policy_over_nccl():
+    """benchmarks/fsdp_gpu_check.py's in-process rows: NCCL, bf16 policy, sharded save."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    code = ("import torch, benchmarks.fsdp_gpu_check as c, benchmarks.gpu_check as t; "
+            "c.check_policy(torch.device('cuda', 0)); raise SystemExit(t.failures)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]

@@ -25,6 +25,7 @@ import torch
 
 from echelon3.dist import all_gather_object, all_reduce_sum_, get_rank, get_world_size
 from echelon3.errors import ConfigError, UserError
+from echelon3.fsdp import local
 from echelon3.trainers.state import own
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,8 @@ class NonFiniteGuard:
     def check_before_save(self, params) -> None:
         """Nothing non-finite is ever saved: the kept losses (above) and the weights."""
         self.check()
-        flag = torch.stack([(~torch.isfinite(p.detach())).any() for p in params]).any()
+        # each rank its own shard under FSDP; the sum below covers them all
+        flag = torch.stack([(~torch.isfinite(local(p.detach()))).any() for p in params]).any()
         flag = flag.float().reshape(1)
         if get_world_size() > 1:
             all_reduce_sum_(flag)

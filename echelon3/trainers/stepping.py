@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from echelon3.dist import get_world_size
 from echelon3.errors import ConfigError
+from echelon3.fsdp import like, no_sync, sharded_module
 from echelon3.trainers.state import own
 
 KEY = "trainer.config.grad_accum_steps"
@@ -68,13 +69,15 @@ class Stepping:
         return -(-total // self.steps)
 
     def sync(self, net, last: bool):
-        """DDP's ``no_sync`` for every micro-batch but the last of a window.
+        """DDP's ``no_sync`` (FSDP's counterpart) for every micro-batch but the last of a window.
 
         DDP's ``static_graph`` records the graph in its first iteration, which
         must all-reduce; an extra all-reduce inside a window changes no result
         (averaging is linear), so the very first micro-batch syncs there.
         """
         first, self._started = not self._started, True
+        if not last and sharded_module(net) is not None:
+            return no_sync(net)  # FSDP's counterpart
         if last or not isinstance(net, DistributedDataParallel) or (first and net.static_graph):
             return contextlib.nullcontext()
         return net.no_sync()
@@ -125,8 +128,8 @@ class Stepping:
             grads = _mean_grads([s["grads"] for s in saved])
         scale = self.precision.grad_scale()
         for p, g in zip(params, grads):
-            p.grad = None if g is None else (g.to(device=p.device, dtype=torch.float32)
-                                             * scale).to(p.dtype)
+            p.grad = None if g is None else like(p, (g.to(device=p.device, dtype=torch.float32)
+                                                     * scale).to(p.dtype))
         self.losses = [dict(zip(mine["names"], row.to(params[0].device).unbind(0)))
                        for row in mine["losses"]]
 

@@ -33,7 +33,8 @@ def renderers(repo: Path) -> dict[str, dict[str, Callable[[], str]]]:
         "docs/troubleshooting.md": {"messages": lambda: troubleshooting.render(repo)},
         "docs/cli.md": {"cli": cli_reference.render},
         "docs/benchmarks.md": {"results": lambda: benchmarks.render(repo)},
-        "docs/multi-gpu.md": {"measured": lambda: benchmarks.render(repo, MULTI_GPU_BENCHMARKS)},
+        "docs/multi-gpu.md": {"measured": lambda: benchmarks.render(repo, MULTI_GPU_BENCHMARKS),
+                              "memory": lambda: benchmarks.render(repo, ("memory",))},
     }
 
 

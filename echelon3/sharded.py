@@ -1,0 +1,232 @@
+"""Sharded resume checkpoints (``torch.distributed.checkpoint``) for ``strategy: fsdp``.
+
+Under FSDP a rolling or preemption checkpoint is a folder,
+``checkpoint-<epoch>.dcp/`` or ``checkpoint-<epoch>-step<step>.dcp/``: every rank
+writes its own shard (``__<rank>_0.distcp``, ``.metadata``) of the optimizer state
+and of every entry shaped like the network's weights (``model_state_dict``, and
+any other such as averaged weights); rank 0 adds ``state.pt``, the rest of the
+checkpoint as plain data (epoch, step, metrics, every rank's RNG states, mid-epoch
+state, which entries are sharded). The folder
+is written as ``.<name>.tmp/`` and renamed when every rank has finished, so a torn
+save is never taken as the latest (leftovers go at the next start, as files do);
+retention is that of files. It loads at any world size: each rank reads the
+parts of the saved shards that its own shard covers.
+
+``best.tar`` stays one consolidated rank-0 file without prefixes: every
+weight-shaped entry is gathered one tensor at a time and moved to rank 0's CPU, so
+no rank's GPU holds the whole network. It carries no optimizer state
+(``optimizer_state_dict: None``); evaluate, run, export and finetune read only the
+weights.
+
+Under ``ddp`` the manager writes files as before but still reads these folders, so
+a run whose strategy changed (``on_config_change: resume``) continues either way.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from echelon3.checkpoint import KEPT_BEST, CheckpointManager, atomic_save
+from echelon3.dist import barrier, is_main, unwrap
+from echelon3.errors import CheckpointError, write_error
+
+STATE = "state.pt"
+SHARDED = "sharded"  # in a loaded state: the folder whose shards are still to be read
+KEYS = "sharded_keys"  # in state.pt: the weight-shaped entries written as shards
+WEIGHTS, OPTIMIZER = "model_state_dict", "optimizer_state_dict"
+_FOLDER = re.compile(r"^checkpoint-(\d+)(?:-step(\d+))?\.dcp$")
+
+
+def weight_keys(state: dict[str, Any]) -> list[str]:
+    """The entries shaped like the network's weights (same names, all tensors)."""
+    names = set(state[WEIGHTS])
+    return [k for k, v in state.items() if isinstance(v, dict) and v and set(v) == names
+            and all(torch.is_tensor(t) for t in v.values())]
+
+
+def _rest(state: dict[str, Any]) -> dict[str, Any]:
+    sharded = weight_keys(state)
+    return {**{k: v for k, v in state.items() if k not in sharded and k != OPTIMIZER},
+            KEYS: sharded}
+
+
+class ShardedCheckpoints(CheckpointManager):
+    """A :class:`CheckpointManager` that writes resume state sharded (``sharded=True``)
+    and reads both layouts. :meth:`attach` gives it the network and the optimizer."""
+
+    def __init__(self, path, checkpoints_to_keep: int = 2, sharded: bool = True):
+        super().__init__(path, checkpoints_to_keep)
+        self.sharded, self.model, self.optimizer = sharded, None, None
+
+    @classmethod
+    def like(cls, manager: CheckpointManager, sharded: bool) -> "ShardedCheckpoints":
+        return cls(manager.path, manager.checkpoints_to_keep, sharded)
+
+    def attach(self, model, optimizer) -> None:
+        self.model, self.optimizer = unwrap(model), optimizer
+
+    # ------------------------------------------------------------------ reading
+
+    def rolling(self) -> list[Path]:
+        found = [((_key(p), p)) for p in super().rolling()]
+        if self.path.is_dir():
+            found += [((int(m.group(1)), int(m.group(2) or 0)), p) for p in self.path.iterdir()
+                      if (m := _FOLDER.match(p.name)) and p.is_dir()]
+        return [p for _, p in sorted(found, key=lambda kp: kp[0], reverse=True)]
+
+    def load(self, path: Path) -> dict[str, Any]:
+        if not path.is_dir():
+            return super().load(path)
+        if not (path / ".metadata").is_file():
+            raise CheckpointError(str(path), "cannot load checkpoint (no .metadata: incomplete)")
+        try:
+            state = torch.load(path / STATE, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(str(path / STATE), f"cannot load checkpoint ({e})") from e
+        return {**state, SHARDED: str(path)}
+
+    # ------------------------------------------------------------------ writing
+
+    def save_checkpoint(self, state: dict[str, Any], epoch: int, best: bool = False) -> None:
+        if not self.sharded:
+            return super().save_checkpoint(state, epoch, best)
+        self._write(state, f"checkpoint-{epoch}.dcp")
+        if best:
+            self.save_best(state)
+        if is_main():
+            for old in self.rolling():  # mid-epoch ones are superseded by a full epoch
+                if "-step" in old.name:
+                    _remove(old)
+            for old in self.rolling()[self.checkpoints_to_keep:]:
+                _remove(old)
+
+    def save_preempted(self, state: dict[str, Any]) -> Path:
+        if not self.sharded:
+            return super().save_preempted(state)
+        return self._write(state, f"checkpoint-{state['epoch']}-step{state['global_step']}.dcp")
+
+    def save_best(self, state: dict[str, Any]) -> None:
+        """Consolidate on rank 0's CPU (a collective under FSDP), write ``best.tar``."""
+        if not self.sharded:
+            return super().save_best(state)
+        full = {k: consolidated(state[k]) for k in weight_keys(state)}
+        if is_main():
+            rest = {k: v for k, v in _rest(state).items() if k != KEYS}
+            atomic_save({**rest, **full, OPTIMIZER: None}, self.path / KEPT_BEST)
+            self._publish_best()
+
+    def _write(self, state: dict[str, Any], name: str) -> Path:
+        """Every rank its shard, rank 0 the rest; renamed into place once all are done."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        final, tmp = self.path / name, self.path / f".{name}.tmp"
+        if is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier()
+        shards = {k: state[k] for k in weight_keys(state)}
+        shards[OPTIMIZER] = get_optimizer_state_dict(self.model, self.optimizer)
+        try:
+            dcp.save(shards, checkpoint_id=tmp)
+            if is_main():
+                atomic_save(_rest(state), tmp / STATE)
+                _remove(final)
+                os.replace(tmp, final)
+                _fsync_dir(self.path)
+        except OSError as e:
+            raise write_error(final, e) from e
+        barrier()
+        return final
+
+    def remove_leftovers(self) -> list[Path]:
+        stale = super().remove_leftovers()
+        if not is_main() or not self.path.is_dir():
+            return stale
+        for path in self.path.iterdir():
+            if path.is_dir() and path.name.startswith(".checkpoint-") and \
+                    path.name.endswith(".dcp.tmp"):
+                shutil.rmtree(path, ignore_errors=True)
+                stale.append(path)
+        return stale
+
+
+def consolidated(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole tensors on rank 0's CPU, gathered one at a time (a collective when sharded);
+    ``{}`` on the other ranks."""
+    from echelon3.dist import get_rank
+
+    full = {}
+    for key, value in weights.items():
+        if hasattr(value, "full_tensor"):
+            if value.device.type == "cpu" and torch.distributed.get_backend() == "nccl":
+                value = value.cuda()  # offloaded: gathered over NCCL, one tensor at a time
+            whole = value.full_tensor()
+        else:
+            whole = value
+        if get_rank() == 0:
+            full[key] = whole.detach().cpu()
+        del whole
+    return full
+
+
+def read_sharded(state: dict[str, Any], model, optimizer) -> None:
+    """Fill a sharded checkpoint's weight-shaped entries (laid out as ``model``'s own
+    weights) and put its optimizer state into ``optimizer``; then
+    ``state["optimizer_state_dict"]`` is what the trainer loads, as from a file."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    net = unwrap(model)
+    own = net.state_dict()
+    shards = {k: {name: torch.empty_like(v) for name, v in own.items()} for k in state[KEYS]}
+    shards[OPTIMIZER] = get_optimizer_state_dict(net, optimizer)
+    try:
+        dcp.load(shards, checkpoint_id=state[SHARDED])
+    except Exception as e:
+        raise CheckpointError(state[SHARDED], "does not fit the configured network and "
+                              f"optimizer: {str(e).strip().splitlines()[0]}") from e
+    set_optimizer_state_dict(net, optimizer, optim_state_dict=shards.pop(OPTIMIZER))
+    state.update(shards)
+    state[OPTIMIZER] = optimizer.state_dict()
+
+
+def lay_out_optimizer(state: dict[str, Any], model, optimizer) -> None:
+    """A file's optimizer state (full size) laid out as the sharded parameters."""
+    from echelon3.fsdp import like, sharded_module
+
+    if sharded_module(model) is None:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, saved in state[OPTIMIZER]["state"].items():
+        param = params[int(index)]
+        for key, value in saved.items():
+            if torch.is_tensor(value) and value.shape == param.shape and value.dim():
+                saved[key] = like(param, value.to(param.device))
+
+
+def _key(path: Path) -> tuple[int, int]:
+    numbers = [int(n) for n in re.findall(r"\d+", path.name)]
+    return numbers[0], numbers[1] if len(numbers) > 1 else 0
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
