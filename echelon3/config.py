@@ -35,6 +35,7 @@ ROOT_KEYS = (
     "device", "gpus", "nproc", "precision", "seed", "device_ids", "on_config_change",
     "net", "data", "dataloaders", "loss", "metrics", "optimizer", "scheduler",
     "trainer", "target", "mlops", "evaluator", "runner", "init_from", "finetune", "export",
+    "mlflow",
 )
 
 _KEY = re.compile(r"^[A-Za-z_][\w\-]*(\.[\w\-]+|\[\d+\])*$")
