@@ -1,5 +1,6 @@
-"""The ``mlflow`` root key: its shape, checked before any process starts, and its
-defaults (see :mod:`echelon3.mlops.mlflow`)."""
+"""The ``mlflow`` root key, checked before any process starts, and its defaults.
+
+See :mod:`echelon3.mlops.mlflow` for what is tracked."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def _given(node) -> dict | None:
             raise ConfigError(f"mlflow.{key}", f"unknown key{did_you_mean(str(key), KEYS)}; "
                               f"known: {', '.join(KEYS)}")
         if key == "log_models" and not isinstance(value, bool):
-            raise ConfigError("mlflow.log_models", f"must be true or false, got {value!r}")
+            raise ConfigError("mlflow.log_models", f"takes true or false, got {value!r}")
         if key != "log_models" and value is not None and (not isinstance(value, str)
                                                            or not value.strip()):
             raise ConfigError(f"mlflow.{key}", f"must be a non-empty string, got {value!r}")
