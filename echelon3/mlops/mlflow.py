@@ -57,6 +57,7 @@ class Tracker:
                  task: str = "train"):
         self.settings, self.folder, self.config, self.task = settings, Path(folder), config, task
         self.resumed = False
+        self.started = int(time.time() * 1000)  # the MLflow run's start (not its first record's)
         self.tags: dict[str, str] = {}
         self.run_id = self.experiment_id = self.error = None
         self._client = None
@@ -120,7 +121,8 @@ class Tracker:
                 experiment_id = experiment.experiment_id
         else:
             experiment_id = experiment.experiment_id
-        run = client.create_run(experiment_id, run_name=self.settings.run_name)
+        run = client.create_run(experiment_id, start_time=self.started,
+                                run_name=self.settings.run_name)
         atomic_write_text(self.folder / STATE, json.dumps(
             {"tracking_uri": self.settings.tracking_uri, "experiment": name,
              "experiment_id": experiment_id, "run_id": run.info.run_id,
