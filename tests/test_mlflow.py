@@ -1,8 +1,10 @@
 """MLflow tracking against a real MLflow server started here (sqlite store, local
 artifact root): a 2-rank run preempted and resumed, a sweep of 3 through
-``snakemake -j1`` with its evaluate jobs, the default local store, a server that is
-down, and a resumed run that sends no step twice. Each run is read back through
-``MlflowClient`` and compared with its ``history.jsonl``, value for value."""
+``snakemake -j1`` with its evaluate jobs, a server that is down, and a resumed run that
+sends no step twice. Each run is read back through ``MlflowClient`` and compared with its
+``history.jsonl``, value for value. The default local store (``./mlflow.db``) is the
+example of docs/tracking.md, which tests/test_docs_examples.py runs and checks the same
+way."""
 
 from __future__ import annotations
 
@@ -154,6 +156,9 @@ def test_a_preempted_run_resumes_into_the_same_mlflow_run(tmp_path, server, own_
     assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [run_id]
     assert client.get_run(run_id).info.status == "FINISHED"
     assert_mirrors_history(client, run_id, folder)  # every step once, the resumed ones too
+    # another config in the same folder is refused (on_config_change: error): no new run
+    assert echelon3("train", tmp_path, "optimizer.config.lr=0.5", name="probe") == 2
+    assert len(client.search_runs([experiment.experiment_id])) == 1
 
 
 def test_a_resumed_run_sends_no_step_it_already_sent(tmp_path, server):
@@ -222,27 +227,7 @@ def test_a_sweep_of_three_shares_one_experiment_and_the_leaderboard_links_it(tmp
     assert f"[run]({server}/#/experiments/" in (wf / "results/leaderboard.md").read_text()
 
 
-# --------------------------------------------------------------------------- without a server
-
-def test_the_default_store_is_mlflow_db_where_the_run_starts(tmp_path, monkeypatch,
-                                                              own_handlers):
-    """No tracking_uri and no MLFLOW_TRACKING_URI: ./mlflow.db, what `mlflow ui` opens
-    there. A later attempt that a changed config refuses creates no second run."""
-    monkeypatch.chdir(tmp_path)
-    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "ECHELON3_EXPERIMENT",
-                 "ECHELON3_SWEEP"):
-        monkeypatch.delenv(name, raising=False)
-    write_config(tmp_path, {"mlflow": True, "trainer": {"config": {"epochs": 1}}})
-    assert echelon3("train", tmp_path) == 0
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    experiment = client.get_experiment_by_name("run")  # the config's name
-    (run,) = client.search_runs([experiment.experiment_id])
-    assert run.info.run_name == "out"  # target.path's name
-    assert run.info.run_id == state(tmp_path / "out")["run_id"]
-    assert_mirrors_history(client, run.info.run_id, tmp_path / "out")
-    assert echelon3("train", tmp_path, "optimizer.config.lr=0.5") == 2  # on_config_change
-    assert len(client.search_runs([experiment.experiment_id])) == 1
-
+# --------------------------------------------------------------------------- no server
 
 def test_a_server_that_is_down_warns_once_and_the_run_finishes(tmp_path, monkeypatch, caplog,
                                                                own_handlers):
