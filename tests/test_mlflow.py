@@ -20,14 +20,13 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import yaml
 
 from echelon3 import __version__ as echelon3_version
 from echelon3 import preemption
 from echelon3.mlops import JsonlLogger
 from echelon3.mlops.mlflow import STATE, Settings, Tracker
 from tests.conftest import BIN, probe_config, run_cli
-from tests.helpers import base_config, echelon3, write_config
+from tests.helpers import echelon3, write_config
 from tests.workflow.helpers import RUN_S, copy_workflow, env_with, snakemake
 
 mlflow = pytest.importorskip("mlflow", reason="the mlflow extra: pip install -e '.[mlflow]'")
@@ -113,7 +112,8 @@ def _tracked(folder: Path, server: str, experiment: str, **net) -> None:
     probe_config(folder, epochs=2, extra={
         **({"net": {"module": str(HERE / "preempting.py"), "type": "PreemptingNet",
                     "config": net}} if net else {}),
-        "trainer": {"config": {"log_every_n_steps": 1, "progress_bar": False}},
+        "trainer": {"config": {"epochs": 2, "precision": "fp32", "log_every_n_steps": 1,
+                               "progress_bar": False}},
         "target": {"path": str(folder / "run")},
         "mlops": {"config": {"tensorboard": False}},
         "mlflow": {"tracking_uri": server, "experiment": experiment}})
@@ -194,10 +194,8 @@ def test_a_sweep_of_three_shares_one_experiment_and_the_leaderboard_links_it(tmp
     wf = copy_workflow(tmp_path, {"experiments": {}, "sweeps": {"lr": {
         "config": "tiny", "grid": {"optimizer.config.lr": list(lrs)},
         "resources": {"gpus": 0, "cpus": 1}}}})
-    tiny = base_config(Path("results/tiny"))
-    tiny["trainer"]["config"]["epochs"] = 1
-    tiny["mlflow"] = {"tracking_uri": server}
-    (wf / "config/experiments/tiny.yaml").write_text(yaml.safe_dump(tiny))
+    probe_config(wf / "config/experiments", "tiny", epochs=1, extra={  # no scikit-learn
+        "mlops": {"config": {"tensorboard": False}}, "mlflow": {"tracking_uri": server}})
     env = env_with()
     env.pop("MLFLOW_TRACKING_URI", None)
     snakemake(wf, "-j1", "results/leaderboard.csv", timeout=RUN_S, env=env)

@@ -96,17 +96,32 @@ class Tracker:
         run = None
         if (self.resumed or self.task != "train") and known and \
                 known.get("tracking_uri") == self.settings.tracking_uri:
-            run = client.get_run(known["run_id"])
-            if run.info.lifecycle_stage != "active":
-                run = None
+            run = self._find(client, known["run_id"])
         if run is None:
             run = self._create(client)
+            tags = run_tags(self.task, self.tags)
         elif self.task == "train":
             client.update_run(run.info.run_id, status="RUNNING")
             self._before = self._last_steps(client, run)
+            tags = run_tags(self.task, self.tags)
+        else:  # evaluate or export, into the training run: its tags stay the training's
+            tags = {}
         self._client, self.run_id = client, run.info.run_id
         self.experiment_id = run.info.experiment_id
-        self._log_params(client, set(run.data.params), run_tags(self.task, self.tags))
+        self._log_params(client, set(run.data.params), tags)
+
+    @staticmethod
+    def _find(client, run_id: str):
+        """The run ``mlflow.json`` names, or None when the store no longer has it."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = client.get_run(run_id)
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            return None
+        return run if run.info.lifecycle_stage == "active" else None
 
     def _create(self, client):
         name = self.settings.experiment
@@ -156,7 +171,8 @@ class Tracker:
 
         now = int(time.time() * 1000)
         metrics = []
-        for record in records:
+        # records a millisecond apart: two equal records stay two points in MLflow's store
+        for i, record in enumerate(records):
             step, split = int(record.get("step", 0)), record.get("split", "train")
             for name, value in record.items():
                 if name in ("split", "epoch", "step") or isinstance(value, bool) or \
@@ -164,7 +180,7 @@ class Tracker:
                     continue
                 key = metric_key(f"{split}/{name}")
                 if step > self._before.get(key, -1):
-                    metrics.append(Metric(key, float(value), now, step))
+                    metrics.append(Metric(key, float(value), now + i, step))
         self.log_metrics(metrics)
 
     def log_metrics(self, metrics: list) -> None:
