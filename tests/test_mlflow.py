@@ -107,7 +107,8 @@ def state(folder: Path) -> dict:
 
 # --------------------------------------------------------------------------- runs
 
-def _tracked(folder: Path, server: str, experiment: str, **net) -> None:
+def _tracked(folder: Path, server: str, experiment: str, log_models: bool = False,
+             **net) -> None:
     """The probe run (tests/conftest.py), tracked on ``server``."""
     probe_config(folder, epochs=2, extra={
         **({"net": {"module": str(HERE / "preempting.py"), "type": "PreemptingNet",
@@ -116,7 +117,8 @@ def _tracked(folder: Path, server: str, experiment: str, **net) -> None:
                                "progress_bar": False}},
         "target": {"path": str(folder / "run")},
         "mlops": {"config": {"tensorboard": False}},
-        "mlflow": {"tracking_uri": server, "experiment": experiment}})
+        "mlflow": {"tracking_uri": server, "experiment": experiment,
+                   "log_models": log_models}})
 
 
 def test_two_ranks_log_once_from_rank_0(tmp_path, server):
@@ -142,7 +144,8 @@ def test_two_ranks_log_once_from_rank_0(tmp_path, server):
 
 
 def test_a_preempted_run_resumes_into_the_same_mlflow_run(tmp_path, server, own_handlers):
-    _tracked(tmp_path, server, "preempted", marker=str(tmp_path / "preempted"), at=5)
+    _tracked(tmp_path, server, "preempted", log_models=True,
+             marker=str(tmp_path / "preempted"), at=5)
     assert echelon3("train", tmp_path, name="probe") == preemption.RESUBMIT_EXIT
     folder, client = tmp_path / "run", MlflowClient(server)
     run_id = state(folder)["run_id"]
@@ -156,6 +159,8 @@ def test_a_preempted_run_resumes_into_the_same_mlflow_run(tmp_path, server, own_
     assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [run_id]
     assert client.get_run(run_id).info.status == "FINISHED"
     assert_mirrors_history(client, run_id, folder)  # every step once, the resumed ones too
+    copy = client.download_artifacts(run_id, "best.tar", str(tmp_path))  # log_models: true
+    assert Path(copy).read_bytes() == (folder / "best.tar").read_bytes()
     # another config in the same folder is refused (on_config_change: error): no new run
     assert echelon3("train", tmp_path, "optimizer.config.lr=0.5", name="probe") == 2
     assert len(client.search_runs([experiment.experiment_id])) == 1

@@ -100,12 +100,12 @@ class Tracker:
         if run is None:
             run = self._create(client)
             tags = run_tags(self.task, self.tags)
-        elif self.task == "train":
-            client.update_run(run.info.run_id, status="RUNNING")
+        else:
             self._before = self._last_steps(client, run)
-            tags = run_tags(self.task, self.tags)
-        else:  # evaluate or export, into the training run: its tags stay the training's
-            tags = {}
+            tags = {}  # evaluate or export, into the training run: its tags stay the training's
+            if self.task == "train":
+                client.update_run(run.info.run_id, status="RUNNING")
+                tags = run_tags(self.task, self.tags)
         self._client, self.run_id = client, run.info.run_id
         self.experiment_id = run.info.experiment_id
         self._log_params(client, set(run.data.params), tags)
@@ -178,12 +178,14 @@ class Tracker:
                 if name in ("split", "epoch", "step") or isinstance(value, bool) or \
                         not isinstance(value, int | float):
                     continue
-                key = metric_key(f"{split}/{name}")
-                if step > self._before.get(key, -1):
-                    metrics.append(Metric(key, float(value), now + i, step))
+                metrics.append(Metric(metric_key(f"{split}/{name}"), float(value), now + i,
+                                      step))
         self.log_metrics(metrics)
 
     def log_metrics(self, metrics: list) -> None:
+        """``metrics``, less the points at or before the last step MLflow held for their
+        metric when this attempt began (sent by an earlier attempt)."""
+        metrics = [m for m in metrics if m.step > self._before.get(m.key, -1)]
         for i in range(0, len(metrics), BATCH):
             if self._call("logging metrics", self._client.log_batch, self.run_id,
                           metrics=metrics[i:i + BATCH]) is None and not self.on:
