@@ -58,11 +58,9 @@ def trained_line(epochs: int, before: int, elapsed: float) -> str:
     return f"trained {which} (resumed after epoch {before}) in {elapsed:.1f} s"
 
 
-def finish(folder: Path, epochs: int, started: float, before: int = 0,
-           extra: dict | None = None) -> dict | None:
+def finish(folder: Path, epochs: int, started: float, before: int = 0) -> dict | None:
     """Write ``summary.json`` and log the closing block (rank 0); the summary.
-    ``epochs``: done in all; ``before``: done before this attempt; ``extra``: more entries
-    (``mlflow``: where the run is tracked)."""
+    ``epochs``: done in all; ``before``: done before this attempt."""
     if not is_main():
         return None
     best = best_checkpoint(folder)
@@ -71,7 +69,7 @@ def finish(folder: Path, epochs: int, started: float, before: int = 0,
     summary = {"epochs": epochs, "epochs_trained": max(epochs - before, 0), "best": best,
                "elapsed_s": round(time.time() - started, 1),
                "files": sorted(files, key=_natural),
-               "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(extra or {})}
+               "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     atomic_write_text(folder / SUMMARY, json.dumps(summary, indent=2) + "\n")
     if best is None:
         best_line = "no validation result"

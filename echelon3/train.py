@@ -255,6 +255,5 @@ def _train(rc: RunConfig, device, launcher) -> None:
         forget_unfinished(folder, started)
         tracker.stopped(e)
         raise
-    summary = finish(folder, getattr(trainer, "epoch", 0), started, before=before,
-                     extra=tracker.record())
-    tracker.finish(summary)
+    summary = finish(folder, getattr(trainer, "epoch", 0), started, before=before)
+    tracker.finish(summary)  # summary.json gets its `mlflow` entry; the files go to MLflow

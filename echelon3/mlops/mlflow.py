@@ -222,22 +222,26 @@ class Tracker:
         return MlflowLogger(logger, self)
 
     def finish(self, summary: dict | None) -> None:
-        """After ``summary.json``: the best scores, the run's files, and the end."""
-        if not self.ensure_run():
+        """After ``summary.json``: the best scores, ``summary.json``'s ``mlflow`` entry, the
+        run's files, and the end."""
+        if self.settings is None:
             return
-        from mlflow.entities import Metric
+        if self.ensure_run():
+            from mlflow.entities import Metric
 
-        best = (summary or {}).get("best") or {}
-        now = int(time.time() * 1000)
-        self.log_metrics([Metric(metric_key(f"best/{k}"), float(v), now, int(best["step"]))
-                          for k, v in (best.get("metrics") or {}).items()])
+            best = (summary or {}).get("best") or {}
+            now = int(time.time() * 1000)
+            self.log_metrics([Metric(metric_key(f"best/{k}"), float(v), now,
+                                     int(best["step"]))
+                              for k, v in (best.get("metrics") or {}).items()])
+        amend_summary(self.folder, self.record())
         files = ["config.yaml", "history.jsonl", "metrics.json", "summary.json"]
         if self.settings.log_models:
             files.append("best.tar")
         self.log_files(self.folder / name for name in files)
         if self.on:
             self._call("ending the run", self._client.set_terminated, self.run_id, "FINISHED")
-        if self.error:  # summary.json was written before the failure: it says so now
+        if self.error:  # the upload failed after the entry was written: it says so now
             amend_summary(self.folder, self.record())
 
     def stopped(self, error: BaseException) -> None:
@@ -255,6 +259,7 @@ class Tracker:
 
 
 def amend_summary(folder: Path, entry: dict) -> None:
+    """``entry`` into the folder's ``summary.json`` (rewritten atomically)."""
     path = folder / "summary.json"
     if path.is_file():
         summary = json.loads(path.read_text())
