@@ -31,6 +31,7 @@ from tests.workflow.helpers import RUN_S, copy_workflow, env_with, snakemake
 
 mlflow = pytest.importorskip("mlflow", reason="the mlflow extra: pip install -e '.[mlflow]'")
 from mlflow import MlflowClient  # noqa: E402
+from mlflow.entities import ViewType  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 START_S = 120  # the server's start, generous for a loaded 2-core machine
@@ -164,6 +165,25 @@ def test_a_preempted_run_resumes_into_the_same_mlflow_run(tmp_path, server, own_
     # another config in the same folder is refused (on_config_change: error): no new run
     assert echelon3("train", tmp_path, "optimizer.config.lr=0.5", name="probe") == 2
     assert len(client.search_runs([experiment.experiment_id])) == 1
+
+
+def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_mlflow_run(tmp_path, server):
+    probe_config(tmp_path, epochs=1, extra={
+        "net": {"module": str(HERE / "probe.py"), "type": "ProbeNet",
+                "config": {"fail_on_rank": 0, "fail_at_step": 4}},
+        "trainer": {"config": {"epochs": 1, "log_every_n_steps": 1, "progress_bar": False}},
+        "target": {"path": str(tmp_path / "run")},
+        "mlops": {"config": {"tensorboard": False}},
+        "mlflow": {"tracking_uri": server, "experiment": "failed"}})
+    with pytest.raises(RuntimeError, match="planted failure"):
+        echelon3("train", tmp_path, name="probe")
+    # the run's files were taken back (only the lock's own file may stay), mlflow.json too
+    assert [p.name for p in (tmp_path / "run").iterdir()] in ([], [".echelon3.lock"])
+    client = MlflowClient(server)
+    experiment = client.get_experiment_by_name("failed")
+    (deleted,) = client.search_runs([experiment.experiment_id], run_view_type=ViewType.ALL)
+    assert deleted.info.lifecycle_stage == "deleted"
+    assert client.get_metric_history(deleted.info.run_id, "train/loss")  # it had begun
 
 
 def test_a_resumed_run_sends_no_step_it_already_sent(tmp_path, server):
