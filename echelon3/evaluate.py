@@ -72,6 +72,7 @@ def evaluate(rc, device, launcher) -> None:
     from echelon3 import build
     from echelon3.config import require
     from echelon3.data import create_dataloaders
+    from echelon3.mlops import mlflow
     from echelon3.rng import seed_everything
     from echelon3.tasks import load_for_inference
 
@@ -92,5 +93,8 @@ def evaluate(rc, device, launcher) -> None:
         trainer = (cfg.get("trainer") or {}).get("config") or {}
         evaluator.float_labels = bool(trainer.get("float_labels", False))
     net, precision = load_for_inference(rc, device, getattr(evaluator, "checkpoint", None))
-    evaluator(net=net, test_loaders=loaders, metrics=metrics, losses=losses,
-              precision=precision, device=device, named_sets=named)
+    results = evaluator(net=net, test_loaders=loaders, metrics=metrics, losses=losses,
+                        precision=precision, device=device, named_sets=named)
+    if isinstance(results, dict):  # into the training run's MLflow run, when tracked
+        mlflow.log_evaluation(rc, results, getattr(evaluator, "checkpoint", None),
+                              getattr(evaluator, "output", None))

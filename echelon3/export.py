@@ -389,3 +389,7 @@ def export(rc, device, launcher) -> None:
         log.info("wrote %s", out / "model.safetensors")
     if parts is not None:
         write_onnx(cfg, spec, net.eval(), parts, out, source)
+    from echelon3.mlops import mlflow
+
+    mlflow.log_exported(rc, [out / name for name in ("model.onnx", "model.json",
+                                                      "model.safetensors")])

@@ -39,7 +39,7 @@ from echelon3.errors import CheckpointError, ConfigError
 from echelon3.extension import check_extend, check_extension, planned_epochs
 from echelon3.finetune import WarmStart, scale_group_lrs
 from echelon3.fsdp import Strategy, lockstep
-from echelon3.mlops import NoOpLogger
+from echelon3.mlops import NoOpLogger, mlflow
 from echelon3.precision import Precision
 from echelon3.summary import SUMMARY, finish, forget_unfinished
 from echelon3.optimizers.closure import is_closure_optimizer
@@ -55,7 +55,7 @@ RUNTIME_KEYS = {"precision": None, "tf32": True, "cudnn_benchmark": True, "compi
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune",
                  "max-autotune-no-cudagraphs")
 # Keys that may differ between attempts of the same run without making it another run.
-VOLATILE = ("device", "gpus", "nproc", "device_ids", "mlops", "evaluator", "runner",
+VOLATILE = ("device", "gpus", "nproc", "device_ids", "mlops", "mlflow", "evaluator", "runner",
             "on_config_change", "trainer.config.epochs", "trainer.config.precision",
             "trainer.config.tf32", "trainer.config.cudnn_benchmark", "trainer.config.compile",
             "trainer.config.compile_mode", "trainer.config.log_every_n_steps",
@@ -164,9 +164,9 @@ def write_run_config(cfg, path: Path) -> None:
     atomic_write_text(path / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(data)))
 
 
-def assemble_and_fit(rc: RunConfig, device, launcher):
+def assemble_and_fit(rc: RunConfig, device, launcher, tracker=None):
     """Build the run, resume it if ``target.path`` allows, fit; (trainer, epochs done
-    before this attempt)."""
+    before this attempt). ``tracker``: the run's MLflow tracker, if any."""
     cfg = rc.cfg
     require(cfg, "net", "data", "dataloaders", "loss", "optimizer", "trainer", "target",
             task="train")
@@ -229,6 +229,9 @@ def assemble_and_fit(rc: RunConfig, device, launcher):
     write_run_config(cfg, checkpoints.path)
     logger = build.build_mlops(cfg, str(checkpoints.path), rc.config_dir) if is_main() \
         else NoOpLogger()
+    if tracker is not None:  # MLflow beside the logger; its run starts with the first record
+        logger = tracker.watch(logger, resumed=state is not None,
+                               world_size=launcher.world_size, precision=precision.describe())
     # The trainer validates on the validation sets (data.val, data.val_split, else data.test).
     trainer = build.build_trainer(
         cfg, rc.config_dir, runtime_keys=RUNTIME_KEYS, net=model, losses=losses,
@@ -269,10 +272,14 @@ def _train(rc: RunConfig, device, launcher) -> None:
     reached its first checkpoint."""
     started = time.time()
     folder = build.build_target(rc.cfg, rc.config_dir).path
+    tracker = mlflow.for_task(rc)
     try:
-        trainer, before = assemble_and_fit(rc, device, launcher)
-    except BaseException:
+        trainer, before = assemble_and_fit(rc, device, launcher, tracker)
+    except BaseException as e:
         forget_unfinished(folder, started)
+        tracker.stopped(e)
         raise
-    finish(folder, getattr(trainer, "epoch", 0), started, before=before,
-           stopped=trainer.stopped_early() if hasattr(trainer, "stopped_early") else None)
+    summary = finish(folder, getattr(trainer, "epoch", 0), started, before=before,
+                     stopped=trainer.stopped_early() if hasattr(trainer, "stopped_early")
+                     else None)
+    tracker.finish(summary)  # summary.json gets its `mlflow` entry; the files go to MLflow

@@ -34,7 +34,8 @@ def test_finetuned_sweep_and_exports_depend_on_their_parent(tmp_path):
         body = job_body(out, "finetune", point)
         assert re.search(r"input: .*results/base/best\.tar", body), body
         (command,) = [c for c in shell_commands(out)
-                      if c.startswith("echelon3 train") and f"results/{point}'" in c]
+                      if c.startswith(f"ECHELON3_EXPERIMENT='{point}' ECHELON3_SWEEP=ft "
+                                      "echelon3 train") and f"results/{point}'" in c]
         assert "init_from.checkpoint=results/base/best.tar" in command
         exports = [b for name, b in jobs_listed(out) if name == "export" and point in b]
         assert {re.search(r"output: (\S+)", b).group(1) for b in exports} == {

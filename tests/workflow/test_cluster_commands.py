@@ -27,7 +27,7 @@ GPU_CONFIG = {"experiments": {
 
 TWO_NODE_SRUN = "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --gres=gpu:4 --cpus-per-task=32"
 TWO_NODE_TRAIN = (
-    "PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+    "ECHELON3_EXPERIMENT=two_nodes PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
     f" {TWO_NODE_SRUN} torchrun --nnodes 2 --nproc_per_node 4 --rdzv_backend c10d"
     " --rdzv_endpoint $(hostname):$((29500 + SLURM_JOB_ID % 20000)) --rdzv_id $SLURM_JOB_ID"
     " --no-python echelon3 train -cd config/experiments -cn digits_cnn on_config_change=restart"
@@ -35,11 +35,11 @@ TWO_NODE_TRAIN = (
 )
 TASKS_SRUN = "srun --ntasks=2 --gpus-per-task=1 --cpus-per-task=4"
 TASKS_TRAIN = (
-    f"{TASKS_SRUN} echelon3 train -cd config/experiments -cn digits_mlp on_config_change=restart"
+    f"ECHELON3_EXPERIMENT=tasks {TASKS_SRUN} echelon3 train -cd config/experiments -cn digits_mlp on_config_change=restart"
     "   target.path=results/tasks > logs/train/tasks.log 2>&1"
 )
 ONE_NODE_TRAIN = (
-    "workflow/scripts/gpu_lock.py 2 -- echelon3 train -cd config/experiments -cn digits_mlp"
+    "ECHELON3_EXPERIMENT=one_node workflow/scripts/gpu_lock.py 2 -- echelon3 train -cd config/experiments -cn digits_mlp"
     " on_config_change=restart 'gpus=[0,1]' '~scheduler' target.path=results/one_node"
     " > logs/train/one_node.log 2>&1"
 )
@@ -56,10 +56,13 @@ def test_slurm_profile_dry_run_shows_resources_and_commands(tmp_path):
                                     "mem_mb", "runtime", "nodes")} == {
             "slurm_partition": "gpu", "slurm_account": "my_account", "cpus_per_task": "2",
             "mem_mb": "4000", "runtime": "30", "nodes": "1"}
-    assert ("echelon3 train -cd config/experiments -cn digits_cnn on_config_change=restart"
+    # the experiment's name comes first: MLflow's run name and tags (echelon3.mlops.mlflow)
+    assert ("ECHELON3_EXPERIMENT=digits_cnn echelon3 train -cd config/experiments -cn digits_cnn"
+            " on_config_change=restart"
             " device=cpu  target.path=results/digits_cnn > logs/train/digits_cnn.log 2>&1"
             ) in shell_commands(out)
-    assert ("echelon3 evaluate -cd config/experiments -cn digits_cnn device=cpu"
+    assert ("ECHELON3_EXPERIMENT=digits_cnn echelon3 evaluate -cd config/experiments"
+            " -cn digits_cnn device=cpu"
             "  target.path=results/digits_cnn"
             " evaluator.config.output=results/digits_cnn/metrics.json"
             " > logs/evaluate/digits_cnn.log 2>&1") in shell_commands(out)
@@ -93,7 +96,7 @@ def test_two_node_and_multi_gpu_dry_run(tmp_path):
                                        "cpus_per_task", "gres")} == {
         "nodes": "1", "gpu": "2", "tasks": "2", "tasks_per_gpu": "1", "mpi": TASKS_SRUN,
         "cpus_per_task": "4", "gres": None}
-    assert ("workflow/scripts/gpu_lock.py 1 -- echelon3 run -cd config/experiments"
+    assert ("ECHELON3_EXPERIMENT=two_nodes workflow/scripts/gpu_lock.py 1 -- echelon3 run -cd config/experiments"
             " -cn digits_cnn 'gpus=[0]'  target.path=results/two_nodes"
             " runner.config.output=results/two_nodes/predictions.csv"
             " > logs/run/two_nodes.log 2>&1") in commands

@@ -22,8 +22,9 @@ def test_schema_fills_in_defaults(tmp_path):
     assert (res["cpus_per_task"], res["mem_mb"], res["runtime"], res["nodes"]) == \
         ("2", "4000", "60", "1")
     assert "gpu" not in res and "mpi" not in res
-    assert ("echelon3 train -cd config/experiments -cn digits_mlp on_config_change=restart "
-            "device=cpu  target.path=results/bare > logs/train/bare.log 2>&1") in shell_commands(out)
+    assert ("ECHELON3_EXPERIMENT=bare echelon3 train -cd config/experiments -cn digits_mlp "
+            "on_config_change=restart device=cpu  target.path=results/bare"
+            " > logs/train/bare.log 2>&1") in shell_commands(out)
 
 
 FILE = "config/config.yaml: "

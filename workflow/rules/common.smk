@@ -6,6 +6,7 @@ import itertools
 import keyword
 import os
 import re
+import shlex
 from copy import deepcopy
 from pathlib import Path
 
@@ -214,21 +215,32 @@ def launch(wildcards, resources):
     """Command prefix that starts echelon3 on what the job was given: srun
     alone (`launcher: srun`, every task one rank), torchrun under srun across
     nodes, or a GPU lock around the echelon3 launcher on one node (a no-op
-    prefix on the CPU). Derived from resources, so a change of resources alone
-    does not rerun a job."""
+    prefix on the CPU), after the experiment's names for MLflow's tags. Derived
+    from resources, so a change of resources alone does not rerun a job."""
+    names = tracking_names(wildcards)
     if resources.get("mpi"):
         res = EXPERIMENTS[wildcards.exp]["resources"]
         if res["launcher"] == "srun":
-            return resources.mpi
+            return f"{names} {resources.mpi}"
         return (
-            f"{TORCHRUN_SIGNALS} {resources.mpi} torchrun --nnodes {res['nodes']}"
+            f"{names} {TORCHRUN_SIGNALS} {resources.mpi} torchrun --nnodes {res['nodes']}"
             f" --nproc_per_node {max(res['gpus'], 1)}"
             f" --rdzv_backend c10d --rdzv_endpoint {RDZV_ENDPOINT}"
             " --rdzv_id $SLURM_JOB_ID --no-python"
         )
     if resources.get("gpu"):
-        return f"{GPU_LOCK} {resources.gpu} --"
-    return ""
+        return f"{names} {GPU_LOCK} {resources.gpu} --"
+    return names
+
+
+def tracking_names(wildcards):
+    """ECHELON3_EXPERIMENT (and ECHELON3_SWEEP) for the command: the MLflow run's name
+    and tags, and a sweep's shared MLflow experiment (echelon3.mlops.mlflow)."""
+    spec = EXPERIMENTS[wildcards.exp]
+    names = f"ECHELON3_EXPERIMENT={shlex.quote(wildcards.exp)}"
+    if spec.get("sweep"):
+        names += f" ECHELON3_SWEEP={shlex.quote(spec['sweep'])}"
+    return names
 
 
 def devices(wildcards, resources):

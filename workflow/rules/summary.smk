@@ -10,7 +10,7 @@ def leaderboard_top(path="results/leaderboard.csv"):
     if not Path(path).is_file():
         return None
     table = pd.read_csv(path)
-    shown = table.drop(columns=["config", "overrides"], errors="ignore")
+    shown = table.drop(columns=["config", "overrides", "mlflow"], errors="ignore")
     # the model's path last: the scores line up after the names
     shown = shown[
         [c for c in shown.columns if c != "model"] + ["model"] * ("model" in shown)

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+from report_mlflow import COLUMN as MLFLOW, link, log_curves, read_run
 from report_plots import draw_curves, draw_metrics, draw_sweep, save
 
 log = logging.getLogger("report")
@@ -28,7 +29,7 @@ log = logging.getLogger("report")
 SELECTED_ON = "selected_on"  # metrics.json and summary.json: "val" or "test"
 TABLE_DECIMALS = 4  # Markdown, HTML and the console
 CSV_DECIMALS = 6  # float32 noise (1.0000001192092896) is not a digit worth keeping
-LABELS = ("experiment", "config", "overrides", "model", SELECTED_ON)
+LABELS = ("experiment", "config", "overrides", "model", SELECTED_ON, MLFLOW)
 
 
 def test_column(metric):
@@ -107,6 +108,7 @@ def leaderboard(experiments, metric_files, metric, higher_is_better, summary_fil
         metrics, selected = read_metrics(path)
         best = read_summary(summary)
         bests.append(best)
+        url = link(read_run(summary))  # the MLflow run, when the run was tracked
         rows.append(
             {
                 "experiment": name,
@@ -114,6 +116,7 @@ def leaderboard(experiments, metric_files, metric, higher_is_better, summary_fil
                 "overrides": " ".join(spec["overrides"]),
                 **({"model": spec["model"]} if spec.get("model") else {}),
                 SELECTED_ON: selected or best.get(SELECTED_ON) or "test",
+                **({MLFLOW: url} if url else {}),
                 **{test_column(k): v for k, v in metrics.items()},
             }
         )
@@ -165,6 +168,9 @@ def markdown(table, metric, higher_is_better, folder="results"):
             f"[{Path(m).name}]({os.path.relpath(m, folder)})" if isinstance(m, str) else ""
             for m in table["model"]
         ])
+    if MLFLOW in table.columns:
+        table = table.assign(**{MLFLOW: [f"[run]({u})" if isinstance(u, str) else ""
+                                         for u in table[MLFLOW]]})
     body = table.to_markdown(index=False, floatfmt=f".{TABLE_DECIMALS}f")
     return f"# Leaderboard\n\nRanked by `{metric}`, {order} first.\n\n{note(table)}\n\n{body}\n"
 
@@ -194,6 +200,9 @@ def html_table(table, metric, higher_is_better, folder="results"):
         cells["model"] = lambda m: (
             f'<a href="{html.escape(os.path.relpath(m, folder))}">{Path(m).name}</a>'
             if isinstance(m, str) and m else "")
+    if MLFLOW in table.columns:
+        cells[MLFLOW] = lambda u: (f'<a href="{html.escape(u)}">run</a>'
+                                   if isinstance(u, str) and u else "")
     body = table.to_html(index=False, float_format=lambda v: f"{v:.{TABLE_DECIMALS}f}",
                          na_rep="", border=0, formatters=cells, escape=False)
     words = html.escape(note(table))
@@ -222,6 +231,7 @@ def main(smk):
         chain = (parent, *runs[parent]) if parent in runs else None
         save(draw_curves(name, records, best.get("epoch"), best.get(SELECTED_ON, "test"),
                          parent=chain), png)
+    log_curves([read_run(s) for s in smk.input.summaries], smk.output.curves)
     save(draw_metrics(table, columns, ranking, higher), smk.output.bars)
     for (name, sweep), png in zip(smk.params.sweeps.items(), smk.output.sweeps):
         save(draw_sweep(name, sweep, table, ranking, higher), png)
