@@ -7,9 +7,10 @@ import logging
 import pytest
 import torch
 
+from echelon3.ddp import wrap
 from echelon3.errors import ConfigError
 from echelon3.precision import Precision, resolve_mode
-from echelon3.train import runtime_settings, wrap
+from echelon3.train import runtime_settings
 from tests.conftest import run_cli
 
 CPU = torch.device("cpu")
