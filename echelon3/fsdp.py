@@ -232,7 +232,7 @@ class Strategy:
         self.fsdp = fsdp_settings(cfg) if self.name == "fsdp" else None
         if self.fsdp is not None:
             check_runtime(settings, self.fsdp, device)
-            if (cfg.trainer.get("config") or {}).get("ema"):
+            if ((cfg.get("trainer") or {}).get("config") or {}).get("ema"):
                 raise ConfigError("trainer.config.ema", "an average of sharded weights is not "
                                   "kept under strategy fsdp; remove ema or use strategy ddp")
 

@@ -94,7 +94,7 @@ class Faults:
             if time.monotonic() > end:
                 raise AssertionError("epoch 2 never began")
             time.sleep(0.05)
-        job = faults.running_job(self.cluster, f"rule_train_wildcards_{exp}")
+        job = faults.experiment_job(self.cluster, exp)
         assert job, "no running job"
         if FAULTS[exp] == "kill":
             assert faults.kill_step_on_node(job, NODE2_NS), "nothing of the job on node 2"
@@ -156,7 +156,11 @@ def _history(wf: Path, exp: str) -> list[dict]:
 
 
 def _jobs(wf: Path, exp: str) -> list[str]:
-    return sorted(p.stem for p in wf.glob(f"logs/slurm/rule_train/{exp}/*.log"))
+    """The SLURM jobs that trained ``exp``: its train jobs, or its group's (one job per
+    experiment)."""
+    logs = [*wf.glob(f"logs/slurm/rule_train/{exp}/*.log"),
+            *wf.glob(f"logs/slurm/group_exp_{exp}_*/*.log")]
+    return sorted(p.stem for p in logs)
 
 
 @pytest.mark.parametrize("exp", ["torchrun", "srun"])

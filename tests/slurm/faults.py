@@ -26,6 +26,18 @@ def running_job(cluster: SlurmCluster, comment: str) -> str | None:
     return None
 
 
+def experiment_job(cluster: SlurmCluster, exp: str) -> str | None:
+    """The id of the running job that trains ``exp``: its own train job, or the job of
+    its group (``rule_exp_<exp>_<rules>``, one job per experiment), or None."""
+    out = cluster.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i %k"], check=False).stdout
+    for line in out.splitlines():
+        job, _, text = line.partition(" ")
+        if text.strip() == f"rule_train_wildcards_{exp}" or \
+                text.strip().startswith(f"rule_exp_{exp}_"):
+            return job
+    return None
+
+
 def job_ended(cluster: SlurmCluster, job: str) -> bool:
     """No longer running: finished, failed, or gone from the queue."""
     out = cluster.run(["squeue", "-h", "-j", job, "-o", "%T"], check=False).stdout.strip()
