@@ -170,7 +170,6 @@ def _history(directory: Path) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["split"] != "time"]
 
 
-@pytest.mark.slow
 def test_a_checkpoint_written_at_2_ranks_resumes_at_1_then_3(runs, tmp_path):
     _config(tmp_path)
     shutil.copytree(runs["fsdp"] / "run", tmp_path / "run")  # its first epoch, at 2 ranks
@@ -188,7 +187,6 @@ def test_a_checkpoint_written_at_2_ranks_resumes_at_1_then_3(runs, tmp_path):
         torch.testing.assert_close(mine[key], ref[key], rtol=0, atol=TOLERANCE)
 
 
-@pytest.mark.slow
 def test_preempted_two_rank_fsdp_resumes_to_the_same_weights(runs, tmp_path):
     _config(tmp_path, net={"sleep": 0.3})
     code, err, _, pids = _interrupted_run(tmp_path, 2, signal.SIGTERM, True)
@@ -206,7 +204,6 @@ def test_preempted_two_rank_fsdp_resumes_to_the_same_weights(runs, tmp_path):
     assert _history(tmp_path) == _history(runs["fsdp"])
 
 
-@pytest.mark.slow
 def test_killed_two_rank_fsdp_resumes_from_its_last_complete_checkpoint(runs, tmp_path):
     _config(tmp_path, net={"fail_on_rank": 1, "fail_at_step": STEPS + 2, "kill": True})
     result = run_cli(["train", "-cd", str(tmp_path), "-cn", "probe", "nproc=2"],
