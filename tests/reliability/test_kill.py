@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -152,7 +153,7 @@ def test_killed_at_random_instants_then_rerun(tmp_path, ctx, references, ledger,
         run = Run(mode, tmp_path, tmp_path / f"log-{attempt}.txt", ctx)
         killed, refused = _strike(run, out, strike)
         run.wait(TIMEOUT)
-        seen |= run.seen
+        seen |= run.seen  # the killed attempts' processes
         kills += killed
         refusals += bool(refused)
         assert run.survivors() == [], f"survived the kill ({strike})"
@@ -160,7 +161,6 @@ def test_killed_at_random_instants_then_rerun(tmp_path, ctx, references, ledger,
     assert final.wait(TIMEOUT) == 0, final.output()
     assert "Traceback" not in final.output()
     assert final.survivors() == []
-    seen |= final.seen
     assert kills >= 1, f"every planned instant came after the run's end: {plan}"
     state = load(out / f"checkpoint-{EPOCHS}.tar")
     reference = references[mode]
@@ -168,7 +168,15 @@ def test_killed_at_random_instants_then_rerun(tmp_path, ctx, references, ledger,
     assert same_nested(state["model_state_dict"], reference["model_state_dict"])
     assert same_nested(state["optimizer_state_dict"], reference["optimizer_state_dict"])
     _check_folder(out)
-    assert kill.leaked_shm(shm_before, seen) == []
+    # A run that ends cleanly leaves no shared-memory segment. A SIGKILL that lands inside
+    # torch's creation of one (between shm_open and its shm_unlink, a few system calls)
+    # can leave that one behind: at most one per killed process, removed here.
+    assert kill.leaked_shm(shm_before, final.seen) == []
+    left = kill.leaked_shm(shm_before, seen)
+    creators = Counter(name.split("_")[1] for name in left)
+    for name in left:
+        Path("/dev/shm", name).unlink(missing_ok=True)
+    assert all(count == 1 for count in creators.values()), left
     ledger(PROMISE, trials=1, faults=kills)
     if refusals:
         ledger("two runs, one target: refused at once; a dead run's lock taken over",
