@@ -176,7 +176,7 @@ class Trainer(Checkpointing, Validation):
     def _after_step(self, decision: str) -> None:
         """Step 4's end: the EMA moves (a step taken), a per-step scheduler steps."""
         if decision == STEP and self.ema is not None:
-            self.ema.update(unwrap(self.net), self.global_step)
+            self.ema.update(self.global_step)
         self._lr = self.optimizer.param_groups[0]["lr"]
         if self.interval == "step" and self.scheduler is not None:
             self.scheduler.step()

@@ -53,28 +53,30 @@ class EMA:
         self.every = int(_setting(config, "every_n_steps", 1, int)) or 1
         self.warmup = int(_setting(config, "warmup_steps", 0, int))
         self.module = copy.deepcopy(net).requires_grad_(False)  # the averaged network
+        # The pairs (average, weights) are set once: the weights are updated in place.
+        pairs = list(zip(_tensors(self.module), _tensors(net)))
+        self._all = [list(side) for side in zip(*pairs)]
+        self._floats = [list(side) for side in zip(*(p for p in pairs if p[0].is_floating_point()))]
+        self._counters = [p for p in pairs if not p[0].is_floating_point()]
 
-    @staticmethod
-    def _tensors(net: torch.nn.Module) -> list[torch.Tensor]:
-        return [t.detach() for t in (*net.parameters(), *net.buffers())]
-
-    def update(self, net: torch.nn.Module, global_step: int) -> None:
+    def update(self, global_step: int) -> None:
         """After optimizer step ``global_step`` (1-based)."""
         if global_step % self.every:
             return
-        mine, theirs = self._tensors(self.module), self._tensors(net)
         if global_step <= self.warmup:
-            torch._foreach_copy_(mine, theirs)
+            torch._foreach_copy_(*self._all)
             return
-        floats = [(a, b) for a, b in zip(mine, theirs) if a.is_floating_point()]
-        if floats:
-            torch._foreach_lerp_([a for a, _ in floats], [b for _, b in floats], 1 - self.decay)
-        for a, b in zip(mine, theirs):
-            if not a.is_floating_point():
-                a.copy_(b)  # step counters of batch norm: taken as they are
+        if self._floats:
+            torch._foreach_lerp_(*self._floats, 1 - self.decay)
+        for mine, theirs in self._counters:
+            mine.copy_(theirs)  # step counters of batch norm: taken as they are
 
     def state_dict(self) -> dict[str, Any]:
         return self.module.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.module.load_state_dict(state)
+
+
+def _tensors(net: torch.nn.Module) -> list[torch.Tensor]:
+    return [t.detach() for t in (*net.parameters(), *net.buffers())]
