@@ -3,7 +3,7 @@
 Run on a machine with a CUDA GPU:  python benchmarks/fsdp_gpu_check.py   (a few minutes)
 
 1. In this process, a NCCL group of one rank: a RowTransformer sharded by
-   :func:`echelon3.fsdp.shard` under the ``bf16`` policy trains 30 AdamW steps.
+   :func:`echelon3.distributed.fsdp.shard` under the ``bf16`` policy trains 30 AdamW steps.
    Rows: the sharded parameters and the optimizer state stay fp32 DTensors, a block's
    Linear computes in bf16, the sharded gradients arrive in fp32, the loss falls
    and stays within 0.1 of the same steps unsharded in fp32; a
@@ -58,9 +58,9 @@ def check_policy(device, backend: str = "nccl") -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
 
-    from echelon3 import fsdp
+    from echelon3.distributed import fsdp
     from echelon3.nets.transformer import RowTransformer
-    from echelon3.sharded import consolidated
+    from echelon3.checkpoints.consolidate import consolidated
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")

@@ -47,7 +47,7 @@ def timed(fn, repeat: int) -> float:
 
 
 def check_precision(device) -> None:
-    from echelon3.precision import Precision, resolve_mode
+    from echelon3.distributed.precision import Precision, resolve_mode
 
     row("bf16 supported", torch.cuda.is_bf16_supported())
     auto = resolve_mode("auto", device)

@@ -16,7 +16,7 @@ import os
 import sys
 import traceback
 
-from echelon3 import profiles
+from echelon3.tasks import profiles
 
 # Sections only another task builds; their components are not imported up front.
 OTHER_TASKS_ONLY = {"train": ("evaluator", "runner", "export"),
@@ -29,16 +29,16 @@ OTHER_TASKS_ONLY = {"train": ("evaluator", "runner", "export"),
                                 "trainer", "mlops")}
 
 TASKS = {
-    "train": ("echelon3.train", "train", "train a network (resumes when target.path holds "
+    "train": ("echelon3.tasks.train", "train", "train a network (resumes when target.path holds "
               "checkpoints)"),
-    "finetune": ("echelon3.tasks", "finetune", "train starting from another run's weights "
+    "finetune": ("echelon3.tasks.train", "finetune", "train starting from another run's weights "
                  "(init_from; finetune: freeze_patterns, param_groups)"),
-    "evaluate": ("echelon3.evaluate", "evaluate", "compute metrics of a checkpoint over the "
+    "evaluate": ("echelon3.tasks.evaluate", "evaluate", "compute metrics of a checkpoint over the "
                  "test set(s) and write them as JSON"),
-    "run": ("echelon3.run", "run", "run inference with a checkpoint and write predictions as CSV"),
-    "export": ("echelon3.export", "export", "write a checkpoint's network as ONNX and/or "
+    "run": ("echelon3.tasks.run", "run", "run inference with a checkpoint and write predictions as CSV"),
+    "export": ("echelon3.tasks.export", "export", "write a checkpoint's network as ONNX and/or "
                "safetensors weights"),
-    "predict": ("echelon3.predict", "predict", "score the exported model.onnx on the test "
+    "predict": ("echelon3.tasks.predict", "predict", "score the exported model.onnx on the test "
                 "set(s) with the configured metrics, fed raw inputs as its user would"),
 }
 
@@ -62,7 +62,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):
         import re
 
-        from echelon3.errors import did_you_mean
+        from echelon3.config.errors import did_you_mean
 
         found = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
         if found:
@@ -105,7 +105,7 @@ def _execute(args) -> None:
         profiles.main(args)
         return
 
-    from echelon3.config import to_yaml
+    from echelon3.config.compose import to_yaml
 
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -113,24 +113,26 @@ def _execute(args) -> None:
     if args.print_config:
         sys.stdout.write(to_yaml(rc.cfg))
         return
-    from echelon3 import data, lock, runtime
-    from echelon3.preflight import check_specs
-    from echelon3.sections import check_sections
+    from echelon3.checkpoints import lock
+    from echelon3.config.preflight import check_specs
+    from echelon3.config.sections import check_sections
+    from echelon3.data import loaders
+    from echelon3.distributed import runtime
+    from echelon3.observe import mlflow_config
 
     module, function, _ = TASKS[args.command]
     task_module = importlib.import_module(module)
     task = getattr(task_module, function)
     # trainer.config keys the task reads itself instead of passing them to the Trainer
     # (finetune is train from other weights: the same keys)
-    reader = importlib.import_module("echelon3.train") if args.command == "finetune" \
-        else task_module
-    consumed = {"trainer": tuple(getattr(reader, "RUNTIME_KEYS", ()))}
+    consumed = {"trainer": tuple(getattr(task_module, "RUNTIME_KEYS", ()))}
 
     held = contextlib.ExitStack()  # target.path's lock, claimed once the checks pass
 
     def validate(plan):
         check_sections(rc.cfg)
-        data.check_batch_sizes(rc.cfg.get("dataloaders"), plan.world_size)
+        mlflow_config.check(rc.cfg)
+        loaders.check_batch_sizes(rc.cfg.get("dataloaders"), plan.world_size)
         check_specs(rc.cfg, rc.config_dir, skip=OTHER_TASKS_ONLY[args.command],
                     consumed=consumed)
         held.enter_context(lock.for_launch(args.command, rc.cfg))
@@ -143,8 +145,8 @@ def _load(args):
     """The composed config; a -cn that names no file gets the closest name in -cd."""
     from pathlib import Path
 
-    from echelon3.config import load_config
-    from echelon3.errors import ConfigError, did_you_mean
+    from echelon3.config.compose import load_config
+    from echelon3.config.errors import ConfigError, did_you_mean
 
     try:
         return load_config(args.config_dir, args.config_name, args.overrides)
@@ -161,7 +163,7 @@ def _load(args):
 
 def _user_error(e: BaseException):
     """The one-line form of an error the user caused, or None."""
-    from echelon3.errors import UserError
+    from echelon3.config.errors import UserError
 
     if isinstance(e, UserError):
         return str(e)
@@ -174,12 +176,12 @@ def _user_error(e: BaseException):
 def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (``sys.argv[1:]`` when None) -> the exit code.
 
-    Ctrl-C is handled by :mod:`echelon3.interrupt` from the first line on. Called
+    Ctrl-C is handled by :mod:`echelon3.distributed.interrupt` from the first line on. Called
     without ``argv``, as the program itself, a later Ctrl-C only sets a flag (the
     interpreter is finishing); called with ``argv`` from other code, the caller's
     SIGINT handling comes back on return.
     """
-    from echelon3 import interrupt
+    from echelon3.distributed import interrupt
 
     with interrupt.handling(keep=argv is None):
         try:
@@ -201,7 +203,7 @@ def _run(argv: list[str] | None) -> int:
     try:
         _execute(args)
     except Exception as e:
-        from echelon3 import interrupt
+        from echelon3.distributed import interrupt
 
         if interrupt.interrupted():  # a library that swallowed the KeyboardInterrupt failed on
             raise KeyboardInterrupt from e
@@ -217,11 +219,11 @@ def _failed(e: Exception) -> int:
             traceback.print_exc()
         print(f"echelon3: error: {message}", file=sys.stderr)
         return 2
-    from echelon3.dist import PEER_LOST, PEER_LOST_EXIT, WorkerFailed, peer_lost
-    from echelon3.preemption import Preempted
+    from echelon3.distributed.launch import PEER_LOST, PEER_LOST_EXIT, WorkerFailed, peer_lost
+    from echelon3.distributed.preemption import Preempted
 
     if isinstance(e, Preempted):
-        from echelon3.preemption import before_exit
+        from echelon3.distributed.preemption import before_exit
 
         before_exit()
         return e.exit_code  # the trainer logged where it stopped

@@ -112,7 +112,7 @@ def own_handlers():
     """In-process runs install echelon3's signal handlers; put pytest's back afterwards."""
     import signal
 
-    from echelon3 import preemption
+    from echelon3.distributed import preemption
 
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     yield

@@ -268,7 +268,10 @@ def check_workflow_config(data: dict, project: Path) -> None:
 
 def compose_and_check(project: Path, text: str, file: str | None) -> None:
     """``--print-config`` the block (a fragment goes onto digits_cnn), then pre-flight it."""
-    from echelon3 import cli, config, data, preflight
+    from echelon3 import cli
+    from echelon3.config import compose as config
+    from echelon3.data import loaders as data
+    from echelon3.config import preflight
 
     if file is None:
         directory = project / "config" / "experiments"
@@ -291,7 +294,7 @@ def compose_and_check(project: Path, text: str, file: str | None) -> None:
         gpus, nproc = rc.cfg.get("gpus"), rc.cfg.get("nproc")
         world = len(gpus) if gpus is not None and not isinstance(gpus, int) else (nproc or 1)
         data.check_batch_sizes(rc.cfg.get("dataloaders"), world)
-        from echelon3.train import RUNTIME_KEYS  # trainer.config keys train reads itself
+        from echelon3.tasks.train import RUNTIME_KEYS  # trainer.config keys train reads itself
 
         preflight.check_specs(rc.cfg, rc.config_dir, consumed={"trainer": tuple(RUNTIME_KEYS)})
     finally:

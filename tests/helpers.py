@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from echelon3 import cli, runtime
-from echelon3.checkpoint import CheckpointManager
-from echelon3.precision import Precision
+from echelon3 import cli
+from echelon3.distributed import runtime
+from echelon3.checkpoints.files import CheckpointManager
+from echelon3.distributed.precision import Precision
 
 # Pin the CLI's log handler to pytest's own stderr, not to the stream of
 # whichever test first runs the CLI (a capsys stream is closed after its test).
@@ -162,7 +163,7 @@ def loader(inputs, labels, batch_size: int = 16, shuffle: bool = False):
 
 def make_trainer(tmp_path: Path, *, net=None, optimizer=None, losses=None, metrics=None,
                  test_loaders=None, train_loader=None, precision: str = "fp32", **settings):
-    """A Trainer over toy data, built the way ``echelon3.train`` builds one."""
+    """A Trainer over toy data, built the way ``echelon3.tasks.train`` builds one."""
     import torchmetrics
 
     from echelon3.trainers.baseline import Trainer

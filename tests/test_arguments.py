@@ -1,4 +1,4 @@
-"""echelon3.arguments: keyword names and value types checked against a signature."""
+"""echelon3.config.arguments: keyword names and value types checked against a signature."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Literal, Optional, Sequence, Union
 import pytest
 import torch
 
-from echelon3.arguments import check_arguments
-from echelon3.errors import BuildError
+from echelon3.config.arguments import check_arguments
+from echelon3.config.errors import BuildError
 
 
 class Component:

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from echelon3.bottleneck import INPUT_BOUND, EpochClock
+from echelon3.observe.bottleneck import INPUT_BOUND, EpochClock
 from tests.helpers import blobs, make_trainer
 
 FRACTIONS = ("data_wait", "train_step", "overhead", "validation_checkpoint")

@@ -9,9 +9,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from echelon3.build import build_optimizer, instantiate, iter_specs
-from echelon3.preflight import check_specs
-from echelon3.errors import BuildError, did_you_mean
+from echelon3.tasks.components import build_optimizer
+from echelon3.config.build import instantiate, iter_specs
+from echelon3.config.preflight import check_specs
+from echelon3.config.errors import BuildError, did_you_mean
 from echelon3.nets.mlp import MLP
 from tests.test_cli import TINY_RUN, echelon3
 
@@ -47,7 +48,7 @@ class Lazy:
     lazy_specs = ("inner",)
 
     def __init__(self, inner, scale: int = 1):
-        from echelon3.build import instantiate
+        from echelon3.config.build import instantiate
 
         self.raw = inner
         self.inner = instantiate(inner, "lazy.config.inner", in_features=4 * scale)

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from echelon3 import checkpoint as ckpt
-from echelon3.checkpoint import CheckpointManager, atomic_save, strip_prefixes
-from echelon3.errors import CheckpointError, WriteError
+from echelon3.checkpoints import files as ckpt
+from echelon3.checkpoints.files import CheckpointManager, atomic_save, strip_prefixes
+from echelon3.config.errors import CheckpointError, WriteError
 from tests.helpers import (assert_same_tensors, echelon3, history, load, make_trainer, target,
                            write_config)
 
@@ -106,7 +106,7 @@ def test_an_interrupted_first_write_leaves_no_file(tmp_path, monkeypatch):
 KILLED_WRITER = r"""
 import io, os, sys, time
 import torch
-from echelon3 import checkpoint
+from echelon3.checkpoints import files as checkpoint
 
 stage, path = sys.argv[1], sys.argv[2]
 buffer = io.BytesIO()

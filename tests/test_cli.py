@@ -313,7 +313,7 @@ def test_debug_shows_the_traceback_and_keeps_exit_code_2(tiny, capsys, monkeypat
     code, err = in_process(capsys, "train", "-cd", str(tiny), "-cn", "tiny", "net.type=MPL")
     assert code == 2
     assert "Traceback (most recent call last)" in err
-    assert "echelon3.errors.BuildError" in err
+    assert "echelon3.config.errors.BuildError" in err
     assert err.strip().splitlines()[-1].startswith("echelon3: error: net.type:")
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from echelon3 import preemption
+from echelon3.distributed import preemption
 from tests.conftest import run_cli
 from tests.helpers import echelon3, load, same_nested, write_config
 

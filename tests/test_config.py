@@ -13,8 +13,8 @@ import yaml
 from omegaconf import OmegaConf
 
 from echelon3.cli import main
-from echelon3.config import ROOT_KEYS, load_config, parse_override
-from echelon3.errors import ConfigError
+from echelon3.config.compose import ROOT_KEYS, load_config, parse_override
+from echelon3.config.errors import ConfigError
 
 ECHELON3 = str(Path(sys.executable).with_name("echelon3")) \
     if Path(sys.executable).with_name("echelon3").exists() else shutil.which("echelon3")

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from echelon3 import dist
+from echelon3.distributed import launch as dist
+from echelon3.distributed import ranks
 from tests.conftest import BIN, echelon3_cmd, edit_yaml, run_cli
 
 TORCHRUN = shutil.which("torchrun", path=str(BIN)) or shutil.which("torchrun")
@@ -87,7 +88,7 @@ def test_indivisible_batch_fails_fast_with_the_value_error(probe, mode):
 
 
 def test_batch_size_error_is_a_value_error():
-    from echelon3.data import per_rank_batch
+    from echelon3.data.loaders import per_rank_batch
 
     with pytest.raises(ValueError, match="dataloaders.train.config.batch_size"):
         per_rank_batch(30, 4, "dataloaders.train.config.batch_size")
@@ -153,7 +154,7 @@ def test_only_rank0_logs_prints_and_writes(probe):
 
 
 def test_save_checkpoint_returns_at_once_off_rank0(tmp_path, monkeypatch):
-    from echelon3.checkpoint import CheckpointManager
+    from echelon3.checkpoints.files import CheckpointManager
 
     manager = CheckpointManager(tmp_path / "run", 2)
     monkeypatch.setenv("RANK", "1")
@@ -427,11 +428,11 @@ def test_rank_helpers_are_no_ops_in_one_process(monkeypatch):
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     t = torch.ones(3)
-    dist.all_reduce_sum_(t)
+    ranks.all_reduce_sum_(t)
     assert torch.equal(t, torch.ones(3))
-    assert dist.get_rank() == 0 and dist.get_world_size() == 1 and dist.is_main()
-    dist.barrier()
-    assert dist.all_gather_object({"a": 1}) == [{"a": 1}]
+    assert ranks.get_rank() == 0 and ranks.get_world_size() == 1 and ranks.is_main()
+    ranks.barrier()
+    assert ranks.all_gather_object({"a": 1}) == [{"a": 1}]
 
 
 def test_process_group_timeout_env(monkeypatch):
@@ -446,7 +447,7 @@ def test_process_group_timeout_env(monkeypatch):
 def _plan(**cfg):
     from omegaconf import OmegaConf
 
-    from echelon3.runtime import plan_devices
+    from echelon3.distributed.runtime import plan_devices
 
     return plan_devices(OmegaConf.create(cfg))
 
@@ -454,7 +455,7 @@ def _plan(**cfg):
 def test_plan_on_a_cpu_machine(monkeypatch, caplog):
     import logging
 
-    from echelon3.errors import ConfigError
+    from echelon3.config.errors import ConfigError
 
     for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(var, raising=False)
@@ -473,7 +474,7 @@ def test_plan_on_a_cpu_machine(monkeypatch, caplog):
 
 
 def test_plan_on_a_gpu_node(monkeypatch):
-    from echelon3.errors import ConfigError
+    from echelon3.config.errors import ConfigError
 
     for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(var, raising=False)

@@ -15,7 +15,7 @@ import torch
 
 from echelon3.datasets.digits import Digits
 from echelon3.nets.mlp import MLP
-from echelon3.run import Runner
+from echelon3.tasks.run import Runner
 from tests.helpers import TEST_LIMIT, echelon3, load, target, write_config
 
 
@@ -120,7 +120,7 @@ CUSTOM_TASKS = '''
 import json
 from pathlib import Path
 
-from echelon3.run import Runner
+from echelon3.tasks.run import Runner
 
 
 class SampleCounter:
@@ -158,7 +158,7 @@ def test_custom_evaluator_and_runner_classes_are_accepted(run_dir):
 
 
 def test_an_evaluator_with_module_but_no_type_is_an_error(run_dir, capsys):
-    write_config(run_dir, {"evaluator": {"module": "echelon3.evaluate"}}, name="half")
+    write_config(run_dir, {"evaluator": {"module": "echelon3.tasks.evaluate"}}, name="half")
     assert echelon3("evaluate", run_dir, name="half") == 2
     assert "evaluator" in capsys.readouterr().err
 

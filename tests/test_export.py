@@ -22,8 +22,8 @@ import torch
 
 from echelon3.datasets.digits import Digits
 from echelon3.nets.mlp import MLP
-from echelon3.errors import ConfigError
-from echelon3.export import Exported, Standardize, check, onnx_outputs, preprocessing, to_onnx
+from echelon3.config.errors import ConfigError
+from echelon3.tasks.export import Exported, Standardize, check, onnx_outputs, preprocessing, to_onnx
 from tests.helpers import echelon3, load, write_config
 
 PROB_ATOL = 1e-5
@@ -53,7 +53,7 @@ def exported(trained):
     mean, std = _stats()
     overrides = [
         "+export.formats=[onnx,safetensors]",
-        "+export.preprocess={module: echelon3.export, type: Standardize, config: "
+        "+export.preprocess={module: echelon3.nets.preprocess, type: Standardize, config: "
         f"{{mean: {mean!r}, std: {std!r}, scale: 0.0625}}}}",
         "+export.postprocess={module: torch.nn, type: Softmax, config: {dim: 1}}",
         "+export.input={shape: [1, 8, 8], dtype: float32}",
@@ -98,7 +98,7 @@ def test_falls_back_to_the_torchscript_exporter_and_says_so(tmp_path, monkeypatc
 
     monkeypatch.setattr(torch.onnx, "export", dynamo_fails)
     model = Exported(torch.nn.Linear(4, 3), Standardize(1.0, 2.0)).eval()
-    with caplog.at_level(logging.WARNING, logger="echelon3.export"):
+    with caplog.at_level(logging.WARNING, logger="echelon3.tasks.export"):
         used = to_onnx(model, torch.randn(2, 4), tmp_path / "m.onnx", True, None)
     assert used == "torchscript"
     assert "dynamo exporter failed (unsupported operator for this test); falling back" \
@@ -167,7 +167,7 @@ def test_predict_scores_model_onnx_on_raw_inputs_as_evaluate_scores_the_checkpoi
 
 
 def test_export_without_preprocess_warns_what_the_model_expects(trained, tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="echelon3.export"):
+    with caplog.at_level(logging.WARNING, logger="echelon3.tasks.export"):
         assert echelon3("export", trained, f"+export.output={tmp_path}") == 0
     assert "the test set (Digits) transforms its inputs (Standardize(mean=" in caplog.text
     assert "model.onnx expects transformed inputs, not raw ones; set export.preprocess: " \

@@ -8,7 +8,7 @@ import math
 import pytest
 from omegaconf import OmegaConf
 
-from echelon3 import extension
+from echelon3.checkpoints import extension
 from tests.helpers import echelon3, history, load, target, write_config
 
 COSINE = {"scheduler": {"module": "torch.optim.lr_scheduler", "type": "CosineAnnealingLR",

@@ -12,8 +12,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from echelon3.errors import CheckpointError, ConfigError
-from echelon3.finetune import WarmStart, load_partial, weights_hash
+from echelon3.config.errors import CheckpointError, ConfigError
+from echelon3.tasks.finetune import WarmStart, load_partial, weights_hash
 from echelon3.nets.mlp import MLP
 from tests.helpers import assert_same_tensors, echelon3, load, write_config
 
@@ -37,9 +37,9 @@ def test_partial_load_loads_what_fits_and_reports_it_in_one_line(caplog):
     torch.manual_seed(1)
     deeper = MLP(hidden=32, depth=3)  # layers.1 fits; layers.4 is 32x32 now; layers.7 new
     before = {k: v.clone() for k, v in deeper.state_dict().items()}
-    from echelon3.checkpoint import strip_prefixes
+    from echelon3.checkpoints.files import strip_prefixes
 
-    with caplog.at_level(logging.INFO, logger="echelon3.finetune"):
+    with caplog.at_level(logging.INFO, logger="echelon3.tasks.finetune"):
         names = load_partial(deeper, strip_prefixes(state), "parent.tar", strict=False)
     assert names == {"loaded": ["layers.1.weight", "layers.1.bias"],
                      "skipped": ["layers.4.weight", "layers.4.bias"],
@@ -75,7 +75,7 @@ def test_freezing_and_param_groups(tmp_path, trained):
 
 
 def test_param_groups_split_trainable_parameters(tmp_path):
-    from echelon3.finetune import scale_group_lrs
+    from echelon3.tasks.finetune import scale_group_lrs
 
     cfg = OmegaConf.create({"finetune": {"param_groups": [{"pattern": LAST, "lr_mult": 0.5}]}})
     net = MLP(hidden=8)

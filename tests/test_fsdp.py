@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from echelon3 import preemption
-from echelon3.checkpoint import CheckpointManager
+from echelon3.distributed import preemption
+from echelon3.checkpoints.files import CheckpointManager
 from tests.conftest import edit_yaml, probe_config, run_cli
 from tests.test_dist import _alive, _wait_for
 from tests.test_preemption import _interrupted_run
@@ -67,7 +67,7 @@ def _weights(directory: Path, epoch: int = EPOCHS) -> dict:
 # --------------------------------------------------------------------------- settings, refusals
 
 def _settings(**trainer):
-    from echelon3.ddp import DDP_KEYS
+    from echelon3.distributed.ddp import DDP_KEYS
 
     return {"precision": "fp32", "compile": False, **DDP_KEYS, **trainer}
 
@@ -83,8 +83,8 @@ def _settings(**trainer):
     ({"strategy": "fsdp"}, {"ddp_comm": "fp16"}, "trainer.config.ddp_comm"),
 ])
 def test_refusals_name_the_key(cfg, trainer, key):
-    from echelon3.errors import ConfigError
-    from echelon3.fsdp import Strategy
+    from echelon3.config.errors import ConfigError
+    from echelon3.distributed.fsdp import Strategy
 
     with pytest.raises(ConfigError) as caught:
         Strategy(cfg, _settings(**trainer), torch.device("cpu"))
@@ -92,8 +92,8 @@ def test_refusals_name_the_key(cfg, trainer, key):
 
 
 def test_units_and_checkpointing_match_class_names_and_regexes():
-    from echelon3.errors import ConfigError
-    from echelon3.fsdp import Strategy
+    from echelon3.config.errors import ConfigError
+    from echelon3.distributed.fsdp import Strategy
     from echelon3.nets.transformer import RowTransformer, TransformerBlock
 
     net = RowTransformer(dim=8, heads=2, depth=3)

@@ -46,7 +46,12 @@ def test_readme_links_point_at_files():
 def test_every_nav_page_exists_and_every_page_is_in_the_nav():
     import yaml
 
-    nav = yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"]
+    class Loader(yaml.SafeLoader):
+        """mkdocs.yml's ``!!python/name:`` values (a fence's formatter) read as their text."""
+
+    Loader.add_multi_constructor("tag:yaml.org,2002:python/",
+                                 lambda loader, suffix, node: suffix)
+    nav = yaml.load((REPO / "mkdocs.yml").read_text(), Loader=Loader)["nav"]
 
     def pages(node):
         if isinstance(node, str):
@@ -75,13 +80,13 @@ def _repo_with(tmp_path, files: dict[str, str]):
 
 def test_scan_finds_user_errors_of_derived_classes_and_renders_placeholders(tmp_path):
     repo = _repo_with(tmp_path, {
-        "echelon3/errors.py": """
+        "echelon3/config/errors.py": """
             class UserError(Exception): ...
             class ConfigError(UserError): ...
         """,
-        "echelon3/lock.py": """
+        "echelon3/checkpoints/lock.py": """
             '''The run-folder lock.'''
-            from echelon3.errors import ConfigError
+            from echelon3.config.errors import ConfigError
             HINT = "stop the other run first"
             class LockError(ConfigError): ...
             def take(path, pid):
@@ -105,7 +110,7 @@ def test_scan_finds_user_errors_of_derived_classes_and_renders_placeholders(tmp_
 
 def test_an_unexplained_message_fails_generation(tmp_path, monkeypatch):
     repo = _repo_with(tmp_path, {
-        "echelon3/errors.py": "class UserError(Exception): ...\n",
+        "echelon3/config/errors.py": "class UserError(Exception): ...\n",
         "echelon3/x.py": "def f():\n    raise UserError('k', 'a brand-new failure')\n",
     })
     with pytest.raises(troubleshooting.Unexplained, match="a brand-new failure"):

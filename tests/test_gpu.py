@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from echelon3.precision import Precision, resolve_mode
+from echelon3.distributed.precision import Precision, resolve_mode
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.gpu

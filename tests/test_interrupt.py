@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from echelon3 import interrupt
+from echelon3.distributed import interrupt
 from tests.conftest import echelon3_cmd, probe_config
 
 TRIALS_S = 30  # total time for the random interruptions of a real run

@@ -22,9 +22,9 @@ import pandas as pd
 import pytest
 
 from echelon3 import __version__ as echelon3_version
-from echelon3 import preemption
-from echelon3.mlops import JsonlLogger
-from echelon3.mlops.mlflow import STATE, Settings, Tracker
+from echelon3.distributed import preemption
+from echelon3.observe.loggers import JsonlLogger
+from echelon3.observe.mlflow import STATE, Settings, Tracker
 from tests.conftest import BIN, probe_config, run_cli
 from tests.helpers import echelon3, write_config
 from tests.workflow.helpers import RUN_S, copy_workflow, env_with, snakemake
@@ -257,9 +257,9 @@ def test_a_server_that_is_down_warns_once_and_the_run_finishes(tmp_path, monkeyp
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     down = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
     write_config(tmp_path, {"mlflow": {"tracking_uri": down}})
-    with caplog.at_level(logging.WARNING, logger="echelon3.mlops.mlflow"):
+    with caplog.at_level(logging.WARNING, logger="echelon3.observe.mlflow"):
         assert echelon3("train", tmp_path) == 0
-    warnings = [r.getMessage() for r in caplog.records if r.name == "echelon3.mlops.mlflow"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "echelon3.observe.mlflow"]
     assert len(warnings) == 1 and f"MLflow tracking at {down} is off" in warnings[0]
     folder = tmp_path / "out"
     summary = json.loads((folder / "summary.json").read_text())

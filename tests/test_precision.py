@@ -7,10 +7,10 @@ import logging
 import pytest
 import torch
 
-from echelon3.ddp import wrap
-from echelon3.errors import ConfigError
-from echelon3.precision import Precision, resolve_mode
-from echelon3.train import runtime_settings
+from echelon3.distributed.ddp import wrap
+from echelon3.config.errors import ConfigError
+from echelon3.distributed.precision import Precision, resolve_mode
+from echelon3.tasks.train import runtime_settings
 from tests.conftest import run_cli
 
 CPU = torch.device("cpu")
@@ -146,8 +146,8 @@ def test_runtime_settings_defaults_and_validation():
 
 
 def test_compile_wraps_before_ddp_and_checkpoints_drop_the_prefix():
-    from echelon3.checkpoint import strip_prefixes
-    from echelon3.dist import unwrap
+    from echelon3.checkpoints.files import strip_prefixes
+    from echelon3.distributed.ranks import unwrap
 
     net = torch.nn.Sequential(torch.nn.Linear(4, 4))
     model = wrap(net, CPU, 1, _settings(compile=True, compile_mode="reduce-overhead"))

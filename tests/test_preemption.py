@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from echelon3 import cli, preemption
-from echelon3.checkpoint import CheckpointManager
+from echelon3 import cli
+from echelon3.distributed import preemption
+from echelon3.checkpoints.files import CheckpointManager
 from tests.conftest import echelon3_cmd, probe_config, run_cli
 from tests.test_dist import _alive, _descendants, _session_pids, _wait_for
 

@@ -1,16 +1,17 @@
-"""echelon3.preflight: every component, trainer included, checked before anything is built."""
+"""echelon3.config.preflight: every component, trainer included, checked before anything is built."""
 
 from __future__ import annotations
 
 import pytest
 
-from echelon3 import build, preflight
-from echelon3.errors import BuildError
+from echelon3.config import preflight
+from echelon3.tasks import components
+from echelon3.config.errors import BuildError
 from tests.helpers import echelon3, target, write_config
 
 
 def cfg_with(tmp_path, override):
-    from echelon3.config import load_config
+    from echelon3.config.compose import load_config
 
     write_config(tmp_path)
     return load_config(tmp_path, "run", [override]).cfg
@@ -38,8 +39,8 @@ def test_the_pre_flight_checks_every_component_trainer_included(tmp_path, overri
 def test_a_bad_trainer_argument_stops_train_before_data_or_model_is_built(
         tmp_path, monkeypatch, capsys):
     built = []
-    monkeypatch.setattr(build, "build_net", lambda *a, **k: built.append("net"))
-    monkeypatch.setattr(build, "build_datasets", lambda *a, **k: built.append("data"))
+    monkeypatch.setattr(components, "build_net", lambda *a, **k: built.append("net"))
+    monkeypatch.setattr(components, "build_datasets", lambda *a, **k: built.append("data"))
     write_config(tmp_path)
     assert echelon3("train", tmp_path, "trainer.config.epochs=abc") == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == \

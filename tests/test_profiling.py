@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from echelon3.errors import ConfigError
-from echelon3.profiling import settings
+from echelon3.config.errors import ConfigError
+from echelon3.observe.profiler import settings
 from tests.helpers import blobs, loader, make_trainer
 
 

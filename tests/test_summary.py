@@ -1,4 +1,4 @@
-"""echelon3.summary: the block that ends `echelon3 train`, summary.json, and no
+"""echelon3.tasks.summary: the block that ends `echelon3 train`, summary.json, and no
 half-made run folder after a failure before the first checkpoint."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_of_it(tmp_p
     assert echelon3("train", tmp_path, "trainer.config.keep_best_on=acuracy") == 2
     assert "keep_best_on" in capsys.readouterr().err
     out = target(tmp_path)
-    # at most the run lock's hidden file (echelon3.lock) stays, which a rerun takes over
+    # at most the run lock's hidden file (echelon3.checkpoints.lock) stays, which a rerun takes over
     assert not out.exists() or all(p.name.startswith(".echelon3.lock") for p in out.iterdir())
     assert echelon3("train", tmp_path) == 0  # and the rerun trains from scratch
     assert (target(tmp_path) / "summary.json").is_file()
@@ -73,7 +73,7 @@ def test_the_summary_says_what_this_attempt_trained(tmp_path, capsys):
 
 
 def test_trained_line_wording():
-    from echelon3.summary import trained_line
+    from echelon3.tasks.summary import trained_line
 
     assert trained_line(1, 0, 0.5) == "trained 1 epoch in 0.5 s"
     assert trained_line(10, 4, 2.0) == "trained epochs 5-10 (resumed after epoch 4) in 2.0 s"

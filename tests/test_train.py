@@ -1,8 +1,8 @@
-"""echelon3.train: what a refused config change says."""
+"""echelon3.tasks.train: what a refused config change says."""
 
 from __future__ import annotations
 
-from echelon3.config import changed_keys
+from echelon3.config.compose import changed_keys
 from tests.helpers import echelon3, write_config
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 import yaml
 
-from echelon3.errors import ConfigError
-from echelon3.batches import match_target, weighted_loss
-from echelon3.mlops import NoOpLogger
+from echelon3.config.errors import ConfigError
+from echelon3.data.batches import match_target, weighted_loss
+from echelon3.observe.loggers import NoOpLogger
 from echelon3.trainers.selection import KeepBest
 from tests.helpers import (ForwardCounter, assert_same_tensors, blobs, echelon3, history, load,
                            loader, make_trainer, target, write_config)
@@ -230,7 +230,7 @@ def test_default_logger_writes_tensorboard_too(tmp_path):
 
 
 def test_the_no_op_logger_can_be_configured(tmp_path):
-    write_config(tmp_path, {"mlops": {"module": "echelon3.mlops", "type": "NoOpLogger",
+    write_config(tmp_path, {"mlops": {"module": "echelon3.observe.loggers", "type": "NoOpLogger",
                                       "config": None},
                             "trainer": {"config": {"epochs": 1}}})
     assert echelon3("train", tmp_path) == 0

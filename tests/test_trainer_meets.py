@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from echelon3 import preemption
-from echelon3.data import SeededDataset
+from echelon3.distributed import preemption
+from echelon3.data.loaders import SeededDataset
 from echelon3.optimizers.closure import is_closure_optimizer
 from echelon3.optimizers.sam import SAMOptimizer
 from tests.combo import NoisyBlobs
@@ -199,7 +199,7 @@ def test_history_after_a_resume_in_history_jsonl_has_no_duplicate(tmp_path, comb
 
 
 def test_after_a_world_size_change_each_rank_draws_its_own_stream():
-    from echelon3.rng import restore_for_rank, rng_state, set_rng_state
+    from echelon3.data.rng import restore_for_rank, rng_state, set_rng_state
 
     torch.manual_seed(3)
     saved = rng_state()

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from omegaconf import OmegaConf
 
-from echelon3.errors import ConfigError
+from echelon3.config.errors import ConfigError
 
 KEY = "trainer.config.extend"
 KEEP_SCHEDULE = "keep_schedule"
@@ -25,7 +25,7 @@ CHOICES = (None, KEEP_SCHEDULE)
 # Scheduler arguments that fix how many epochs (or steps) the schedule lasts.
 LENGTH_ARGUMENTS = ("T_max", "total_steps", "total_iters", "epochs")
 EPOCHS_KEY = "trainer.config.epochs"
-# The run's own lengths a scheduler argument may name (echelon3.schedulers).
+# The run's own lengths a scheduler argument may name (echelon3.trainers.schedulers).
 RUN_LENGTHS = re.compile(r"\b(epochs|total_steps)\b")
 DEFAULT_EPOCHS = 10  # the built-in Trainer's
 

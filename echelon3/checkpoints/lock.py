@@ -25,7 +25,7 @@ from typing import Iterator, Mapping
 
 from filelock import FileLock, Timeout
 
-from echelon3.errors import UserError, write_error
+from echelon3.config.errors import UserError, write_error
 
 LOCK = ".echelon3.lock"
 OWNER = ".echelon3.lock.owner"
@@ -54,7 +54,7 @@ def target_path(cfg) -> str | None:
 @contextlib.contextmanager
 def hold(folder: str | os.PathLike) -> Iterator[None]:
     """Hold the lock on ``folder`` for the duration, or raise :class:`RunLocked` at once."""
-    from echelon3.checkpoint import atomic_write_text
+    from echelon3.checkpoints.files import atomic_write_text
 
     folder = Path(folder)
     lock = FileLock(str(folder / LOCK), timeout=0)
@@ -84,7 +84,7 @@ def hold(folder: str | os.PathLike) -> Iterator[None]:
 def for_launch(command: str, cfg) -> Iterator[None]:
     """In the process the user started: lock ``target.path`` of a ``train`` that is not one
     rank of a launcher's job; spawned workers learn through ``ECHELON3_LOCKED``."""
-    from echelon3.dist import detect_launcher
+    from echelon3.distributed.launch import detect_launcher
 
     path = target_path(cfg) if command == "train" else None
     if path is None or detect_launcher().kind != "none":
@@ -102,7 +102,8 @@ def for_launch(command: str, cfg) -> Iterator[None]:
 def for_worker(cfg) -> Iterator[None]:
     """In a training worker: rank 0 of a torchrun / srun job locks ``target.path``; every
     rank learns whether it did. Nothing to do where the launching process holds it."""
-    from echelon3.dist import all_gather_object, detect_launcher, get_rank
+    from echelon3.distributed.ranks import all_gather_object, get_rank
+    from echelon3.distributed.launch import detect_launcher
 
     path = target_path(cfg)
     if path is None or detect_launcher().kind == "none" or \

@@ -32,9 +32,10 @@ from typing import Any
 
 import torch
 
-from echelon3.checkpoint import KEPT_BEST, CheckpointManager, atomic_save
-from echelon3.dist import barrier, is_main, unwrap
-from echelon3.errors import CheckpointError, write_error
+from echelon3.checkpoints.consolidate import consolidated
+from echelon3.checkpoints.files import KEPT_BEST, CheckpointManager, atomic_save
+from echelon3.distributed.ranks import barrier, is_main, unwrap
+from echelon3.config.errors import CheckpointError, write_error
 
 STATE = "state.pt"
 SHARDED = "sharded"  # in a loaded state: the folder whose shards are still to be read
@@ -157,25 +158,6 @@ class ShardedCheckpoints(CheckpointManager):
         return stale
 
 
-def consolidated(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Whole tensors on rank 0's CPU, gathered one at a time (a collective when sharded);
-    ``{}`` on the other ranks."""
-    from echelon3.dist import get_rank
-
-    full = {}
-    for key, value in weights.items():
-        if hasattr(value, "full_tensor"):
-            if value.device.type == "cpu" and torch.distributed.get_backend() == "nccl":
-                value = value.cuda()  # offloaded: gathered over NCCL, one tensor at a time
-            whole = value.full_tensor()
-        else:
-            whole = value
-        if get_rank() == 0:
-            full[key] = whole.detach().cpu()
-        del whole
-    return full
-
-
 def read_sharded(state: dict[str, Any], model, optimizer) -> None:
     """Fill a sharded checkpoint's weight-shaped entries (laid out as ``model``'s own
     weights) and put its optimizer state into ``optimizer``; then
@@ -196,20 +178,6 @@ def read_sharded(state: dict[str, Any], model, optimizer) -> None:
     set_optimizer_state_dict(net, optimizer, optim_state_dict=shards.pop(OPTIMIZER))
     state.update(shards)
     state[OPTIMIZER] = optimizer.state_dict()
-
-
-def lay_out_optimizer(state: dict[str, Any], model, optimizer) -> None:
-    """A file's optimizer state (full size) laid out as the sharded parameters."""
-    from echelon3.fsdp import like, sharded_module
-
-    if sharded_module(model) is None:
-        return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for index, saved in state[OPTIMIZER]["state"].items():
-        param = params[int(index)]
-        for key, value in saved.items():
-            if torch.is_tensor(value) and value.shape == param.shape and value.dim():
-                saved[key] = like(param, value.to(param.device))
 
 
 def _key(path: Path) -> tuple[int, int]:

@@ -18,7 +18,7 @@ import types
 import typing
 from typing import Any, Callable, Mapping
 
-from echelon3.errors import BuildError, did_you_mean
+from echelon3.config.errors import BuildError, did_you_mean
 
 _UNKNOWN = None  # "this annotation says nothing checkable"
 _NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string",

@@ -27,7 +27,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from echelon3.errors import ConfigError, did_you_mean
+from echelon3.config.errors import ConfigError, did_you_mean
 
 # Root keys the framework knows. A root key starting with "_" is the user's own
 # (handy as an interpolation source) and is left alone.

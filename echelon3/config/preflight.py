@@ -2,7 +2,7 @@
 
 Every ``module`` is imported and every ``type`` found; every component's keyword
 arguments are checked by name and value type against its signature
-(:mod:`echelon3.arguments`), the built-ins of sections that leave ``module`` /
+(:mod:`echelon3.config.arguments`), the built-ins of sections that leave ``module`` /
 ``type`` out (trainer, mlops, evaluator, runner, target) included. What echelon3
 injects at run time, and required arguments, are checked when each section is built.
 """
@@ -14,12 +14,12 @@ from typing import Any, Mapping
 
 from omegaconf import OmegaConf
 
-from echelon3 import schedulers
-from echelon3.arguments import check_arguments
-from echelon3.build import is_spec, iter_specs, resolve_type, to_plain, with_default_type
-from echelon3.errors import BuildError
+from echelon3.config.arguments import check_arguments
+from echelon3.config.arithmetic import with_lengths
+from echelon3.config.build import is_spec, iter_specs, resolve_type, to_plain, with_default_type
+from echelon3.config.errors import BuildError
 
-# What each section's builder injects (see echelon3.build and echelon3.data).
+# What each section's builder injects (see echelon3.config.build and echelon3.data.loaders).
 INJECTED = {
     "optimizer": ("params",), "scheduler": ("optimizer",), "mlops": ("path",),
     "evaluator": ("path",), "runner": ("path",),
@@ -30,9 +30,9 @@ INJECTED = {
 # Sections whose ``module``/``type`` may be left out, and the built-in used then.
 BUILT_IN = {
     "trainer": ("echelon3.trainers.baseline", "Trainer"),
-    "mlops": ("echelon3.mlops", "DefaultLogger"),
-    "evaluator": ("echelon3.evaluate", "Evaluator"),
-    "runner": ("echelon3.run", "Runner"),
+    "mlops": ("echelon3.observe.loggers", "DefaultLogger"),
+    "evaluator": ("echelon3.tasks.evaluate", "Evaluator"),
+    "runner": ("echelon3.tasks.run", "Runner"),
 }
 
 
@@ -42,7 +42,7 @@ def _section_specs(section: str, node: Any, dropped: tuple[str, ...]):
     plain = to_plain(node)
     prefix = None
     if section == "target" and isinstance(plain, dict) and not is_spec(plain):
-        plain, prefix = {"module": "echelon3.checkpoint", "type": "CheckpointManager",
+        plain, prefix = {"module": "echelon3.checkpoints.files", "type": "CheckpointManager",
                          "config": plain}, section
     elif section in BUILT_IN and not is_spec(plain):
         prefix = f"{section}.config" if "config" in (plain or {}) else section
@@ -75,7 +75,7 @@ def check_specs(cfg, config_dir: Path | None = None, skip: tuple[str, ...] = (),
             raise BuildError(missing[0], "has no value ('???'); set it in the YAML or with "
                              f"{missing[0]}=...")
         if section == "scheduler":
-            node = schedulers.with_lengths(node)  # lengths like ``total_steps - 500``
+            node = with_lengths(node)  # lengths like ``total_steps - 500``
         dropped = tuple((consumed or {}).get(section, ()))
         for key, spec, prefix in _section_specs(str(section), node, dropped):
             target = resolve_type(spec, key, config_dir)

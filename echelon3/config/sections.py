@@ -11,8 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig
 
-from echelon3.errors import ConfigError
-from echelon3.mlops import mlflow_config
+from echelon3.config.errors import ConfigError
 
 MAPPINGS = ("net", "data", "dataloaders", "optimizer", "scheduler", "trainer", "target",
             "mlops", "evaluator", "runner")
@@ -87,4 +86,3 @@ def check_sections(cfg: DictConfig) -> None:
     for name, loader in (cfg.get("dataloaders") or {}).items():
         _component(loader, f"dataloaders.{name}")
     _integer(cfg.get("seed"), "seed", -SEED_LIMIT, SEED_LIMIT)
-    mlflow_config.check(cfg)

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from echelon3.errors import UserError
+from echelon3.config.errors import UserError
 
 
 def split_batch(batch: Any) -> tuple[Any, torch.Tensor]:

@@ -8,7 +8,7 @@ single process), so the data order is a function of (seed, epoch) alone: a run
 resumed at epoch k sees exactly the order an uninterrupted run would. In a
 loader worker every training sample is loaded with the worker's generators
 seeded from (seed, epoch, index) (:class:`SeededDataset`), so its random
-augmentations do not depend on which worker loads it (see :mod:`echelon3.rng`).
+augmentations do not depend on which worker loads it (see :mod:`echelon3.data.rng`).
 Evaluation shards by stride without padding, so no sample is counted twice.
 """
 
@@ -24,10 +24,10 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
-from echelon3.build import instantiate, is_spec, to_plain
-from echelon3.rng import seed_sample
-from echelon3.errors import BatchSizeError, BuildError
-from echelon3.samples import GuardedCollate, GuardedDataset
+from echelon3.config.build import instantiate, is_spec, to_plain
+from echelon3.data.rng import seed_sample
+from echelon3.config.errors import BatchSizeError, BuildError
+from echelon3.data.samples import GuardedCollate, GuardedDataset
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def create_dataloader(name: str, spec: Mapping, dataset: Dataset, *, train: bool
                       world_size: int, seed: int, config_dir=None,
                       data_key: str = "data") -> DataLoader:
     """Build ``dataloaders.<name>`` for this rank, injecting ``dataset=`` and the sampler;
-    a bad sample is reported naming ``data_key`` (see :mod:`echelon3.samples`)."""
+    a bad sample is reported naming ``data_key`` (see :mod:`echelon3.data.samples`)."""
     key = f"dataloaders.{name}"
     if not is_spec(spec):
         spec = {"module": "torch.utils.data", "type": "DataLoader", **(spec or {})}

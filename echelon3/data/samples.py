@@ -18,7 +18,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from echelon3.errors import UserError
+from echelon3.config.errors import UserError
 
 _PREFIX = f"{__name__}.DataError: "  # how a worker's traceback names it
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset, IterableDataset, Subset
 
-from echelon3.errors import ConfigError
+from echelon3.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

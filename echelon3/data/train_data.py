@@ -2,7 +2,7 @@
 that an epoch makes at least one optimizer step.
 
 Validation data is ``data.val``, else the part of ``data.train`` that
-``data.val_split`` sets aside, else ``data.test`` (:mod:`echelon3.splits`). A
+``data.val_split`` sets aside, else ``data.test`` (:mod:`echelon3.data.splits`). A
 validation set is loaded by ``dataloaders.<its name>`` (named sets), else
 ``dataloaders.val``, else ``dataloaders.test``.
 """
@@ -13,9 +13,9 @@ from typing import Mapping
 
 from torch.utils.data import DataLoader
 
-from echelon3 import splits
-from echelon3.data import create_dataloader, create_dataloaders
-from echelon3.errors import BuildError, ConfigError
+from echelon3.data import splits
+from echelon3.data.loaders import create_dataloader, create_dataloaders
+from echelon3.config.errors import BuildError, ConfigError
 
 
 def _val_loader_name(name: str, named: bool, loaders_cfg: Mapping) -> str:

@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from echelon3.errors import ConfigError
+from echelon3.config.errors import ConfigError
 
 DDP_KEYS = {"ddp_find_unused_parameters": True, "ddp_comm": "none",
             "ddp_gradient_as_bucket_view": True, "ddp_static_graph": False}

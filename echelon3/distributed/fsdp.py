@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from echelon3.errors import ConfigError
+from echelon3.config.errors import ConfigError
 
 STRATEGIES = ("ddp", "fsdp")
 FSDP_KEYS = {"units": [], "reshard_after_forward": True, "offload": False}
@@ -121,7 +121,7 @@ def mp_policy(mode: str):
 def check_runtime(settings: dict, fsdp: dict, device) -> None:
     """What FSDP refuses of ``trainer.config`` and ``fsdp``, before anything starts
     (at any world size, so that a config that runs in one process runs on N)."""
-    from echelon3.precision import resolve_mode
+    from echelon3.distributed.precision import resolve_mode
 
     mp_policy(resolve_mode(settings["precision"], torch.device(device)))
     if settings["ddp_comm"] != "none":
@@ -206,7 +206,7 @@ class Lockstep:
             done += 1
             yield batch
         if done < self.most:
-            from echelon3.batches import split_batch, to_device
+            from echelon3.data.batches import split_batch, to_device
 
             spare = self.loader.collate_fn([self.loader.dataset[0]])
             inputs = to_device(split_batch(spare)[0], self.device)
@@ -217,7 +217,7 @@ class Lockstep:
 
 def lockstep(loaders: dict, net, precision, device) -> dict:
     """Every validation loader as a :class:`Lockstep` (a collective: lengths are exchanged)."""
-    from echelon3.dist import all_gather_object
+    from echelon3.distributed.ranks import all_gather_object
 
     lengths = all_gather_object({name: len(loader) for name, loader in loaders.items()})
     return {name: Lockstep(loader, net, precision, device, max(r[name] for r in lengths))
@@ -248,7 +248,7 @@ class Strategy:
             matching(net, self.fsdp["units"], "fsdp.units")  # checked in one process too
         if self.fsdp is None or world_size < 2:
             return params
-        from echelon3.precision import resolve_mode
+        from echelon3.distributed.precision import resolve_mode
 
         names = {id(p): name for name, p in net.named_parameters()}
         shard(net, device, world_size, self.fsdp, resolve_mode(settings["precision"], device))
@@ -259,8 +259,8 @@ class Strategy:
         return [now[names[id(p)]] for p in params]
 
     def wrap(self, net, device, world_size: int, settings: dict, label: bool):
-        """After: DDP (:func:`echelon3.ddp.wrap`), or ``torch.compile`` of the sharded net."""
-        from echelon3 import ddp
+        """After: DDP (:func:`echelon3.distributed.ddp.wrap`), or ``torch.compile`` of the sharded net."""
+        from echelon3.distributed import ddp
 
         if self.fsdp is None:
             return ddp.wrap(net, device, world_size, settings, label_allreduce=label)

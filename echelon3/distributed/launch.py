@@ -1,4 +1,4 @@
-"""Everything distributed: who launched us, spawning workers, the process group, rank helpers.
+"""Who launched us, spawning workers, and the process group.
 
 Which launcher started this process is decided by :func:`detect_launcher`, in
 this order: torchrun / torch elastic (``RANK`` is set), then a SLURM ``srun``
@@ -7,7 +7,7 @@ none. With no launcher and several devices echelon3 spawns its own workers
 through ``torch.distributed.launcher.api.elastic_launch``, exactly what
 torchrun does, so each worker then sees ``RANK`` and takes the first branch.
 
-The rank helpers are safe no-ops in a single process.
+The rank helpers live in :mod:`echelon3.distributed.ranks`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import subprocess
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
-from echelon3 import preemption
+from echelon3.distributed import preemption
+from echelon3.distributed.ranks import _initialized, all_gather_object, get_rank
 
 TIMEOUT_ENV = "ECHELON3_DDP_TIMEOUT_MIN"
 DEFAULT_TIMEOUT_MIN = 30.0
@@ -83,78 +84,6 @@ def detect_launcher(env: Mapping[str, str] | None = None) -> Launcher:
     return Launcher(kind="none")
 
 
-# --------------------------------------------------------------------------- rank helpers
-
-def _initialized() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def get_rank() -> int:
-    """This process's rank in the job: 0 in a single process."""
-    if _initialized():
-        import torch.distributed as dist
-
-        return dist.get_rank()
-    return int(os.environ.get("RANK", 0))
-
-
-def get_world_size() -> int:
-    """Number of processes in the job: 1 in a single process."""
-    if _initialized():
-        import torch.distributed as dist
-
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", 1))
-
-
-def is_main() -> bool:
-    """True on rank 0, the rank that prints, logs and writes files."""
-    return get_rank() == 0
-
-
-def barrier() -> None:
-    """Wait until every rank gets here; a no-op in a single process."""
-    if _initialized():
-        import torch.distributed as dist
-
-        dist.barrier()
-
-
-def all_reduce_sum_(*tensors) -> None:
-    """Sum each tensor in place across ranks; a no-op in a single process."""
-    if _initialized():
-        import torch.distributed as dist
-
-        for t in tensors:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-
-
-def all_gather_object(obj: Any) -> list[Any]:
-    """``obj`` of every rank, in rank order (``[obj]`` in a single process)."""
-    if not _initialized():
-        return [obj]
-    import torch.distributed as dist
-
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
-
-
-def unwrap(model):
-    """The plain network under DDP and ``torch.compile`` wrappers."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    while True:
-        if isinstance(model, DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
-
-
 # --------------------------------------------------------------------------- who runs where
 
 _hosts: list[tuple[str, str]] = []  # (host name, address) of every rank, in rank order
@@ -198,7 +127,7 @@ def timeout() -> timedelta:
     try:
         minutes = float(raw) if raw else DEFAULT_TIMEOUT_MIN
     except ValueError:
-        from echelon3.errors import ConfigError
+        from echelon3.config.errors import ConfigError
 
         raise ConfigError(TIMEOUT_ENV, f"must be a number of minutes, got {raw!r}") from None
     return timedelta(minutes=minutes)
@@ -256,7 +185,7 @@ def _describe_failures(err, relayed=None) -> tuple[str, int]:
 
     Workers print their own traceback (or one-line user error) on stderr before
     exiting, so the summary only names who failed and how. ``relayed`` (an
-    :class:`echelon3.interrupt.Relay`) tells which signal the launcher passed on.
+    :class:`echelon3.distributed.interrupt.Relay`) tells which signal the launcher passed on.
     """
     lines, codes = [], set()
     failures = sorted(err.failures.items())
@@ -328,7 +257,7 @@ def spawn(entrypoint: Callable, args: tuple, nproc: int) -> None:
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from echelon3 import interrupt
+    from echelon3.distributed import interrupt
 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),

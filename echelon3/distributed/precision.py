@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from echelon3.errors import ConfigError
+from echelon3.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ class Preempted(Exception):
 
 
 def _parse(name: str) -> signal.Signals:
-    from echelon3.errors import ConfigError
+    from echelon3.config.errors import ConfigError
 
     text = name.strip().upper()
     text = text if text.startswith("SIG") else f"SIG{text}"

@@ -2,7 +2,7 @@
 
 The CLI process validates what it can, decides the plan (CPU / GPUs, how many
 processes), and either runs the task in-process or spawns one worker per
-device through :func:`echelon3.dist.spawn`. Each worker (or the single
+device through :func:`echelon3.distributed.launch.spawn`. Each worker (or the single
 process) joins the process group, silences itself unless it is rank 0, runs
 the task and always leaves the process group.
 """
@@ -20,9 +20,11 @@ from typing import Callable
 
 from omegaconf import OmegaConf
 
-from echelon3 import dist, interrupt, preemption
-from echelon3.config import RunConfig
-from echelon3.errors import ConfigError, UserError
+from echelon3.distributed import interrupt, preemption
+from echelon3.distributed import launch as dist
+from echelon3.distributed.ranks import is_main
+from echelon3.config.compose import RunConfig
+from echelon3.config.errors import ConfigError, UserError
 
 log = logging.getLogger("echelon3")
 
@@ -43,7 +45,7 @@ class RankFilter(logging.Filter):
     """Rank 0 logs everything; other ranks only errors."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return dist.is_main() or record.levelno >= logging.ERROR
+        return is_main() or record.levelno >= logging.ERROR
 
 
 class _StderrHandler(logging.StreamHandler):

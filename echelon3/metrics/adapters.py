@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from echelon3.batches import Keyed, batch_size
+from echelon3.data.batches import Keyed, batch_size
 from echelon3.metrics.base import Metric, all_reduce_sum_
 
 

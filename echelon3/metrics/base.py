@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from echelon3.dist import all_reduce_sum_ as _all_reduce_sum
+from echelon3.distributed.ranks import all_reduce_sum_ as _all_reduce_sum
 
 __all__ = ["Metric", "all_reduce_sum_", "is_usable_metric", "reduce_and_compute"]
 

@@ -8,8 +8,8 @@ import os
 import time
 from pathlib import Path
 
-from echelon3.checkpoint import atomic_write_text
-from echelon3.errors import write_error
+from echelon3.checkpoints.files import atomic_write_text
+from echelon3.config.errors import write_error
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class Logger:
 
 
 class NoOpLogger(Logger):
-    """What every rank but 0 gets; also ``mlops: {module: echelon3.mlops, type: NoOpLogger}``
+    """What every rank but 0 gets; also ``mlops: {module: echelon3.observe.loggers, type: NoOpLogger}``
     to log nothing at all (``path`` is accepted because the ``mlops`` builder injects it)."""
 
     def __init__(self, path: str | os.PathLike | None = None):

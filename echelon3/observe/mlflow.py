@@ -27,10 +27,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from echelon3.checkpoint import atomic_write_text
-from echelon3.mlops.base import Logger
-from echelon3.mlops.mlflow_config import Settings, check, settings
-from echelon3.mlops.mlflow_run import flatten, metric_key, run_tags, run_url, state_file
+from echelon3.checkpoints.files import atomic_write_text
+from echelon3.observe.loggers import Logger
+from echelon3.observe.mlflow_config import Settings, check, settings
+from echelon3.observe.mlflow_run import flatten, metric_key, run_tags, run_url, state_file
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ class Tracker:
         if not (self.folder / STATE).exists():
             self._call("deleting the run", self._client.delete_run, self.run_id)
             return
-        from echelon3.preemption import Preempted
+        from echelon3.distributed.preemption import Preempted
 
         status = "KILLED" if isinstance(error, Preempted | KeyboardInterrupt) else "FAILED"
         self._call("ending the run", self._client.set_terminated, self.run_id, status)
@@ -304,7 +304,7 @@ class MlflowLogger(Logger):
 
 def for_task(rc, task: str = "train", folder: Path | None = None) -> Tracker:
     """The tracker of a task: off unless the ``mlflow`` key is set, and on every rank but 0."""
-    from echelon3.dist import is_main
+    from echelon3.distributed.ranks import is_main
 
     cfg = rc.cfg
     folder = Path(folder or str(cfg.target.path))
@@ -318,7 +318,7 @@ def checkpoint_step(folder: Path, checkpoint: str | None) -> int:
     """The global step of the checkpoint that evaluate scored."""
     import torch
 
-    from echelon3.checkpoint import CheckpointManager
+    from echelon3.checkpoints.files import CheckpointManager
 
     path = CheckpointManager(folder).for_inference(checkpoint)
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

@@ -1,6 +1,6 @@
 """The ``mlflow`` root key, checked before any process starts, and its defaults.
 
-See :mod:`echelon3.mlops.mlflow` for what is tracked."""
+See :mod:`echelon3.observe.mlflow` for what is tracked."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from echelon3.errors import ConfigError, did_you_mean
-from echelon3.mlops.mlflow_run import EXPERIMENT_ENV, SWEEP_ENV
+from echelon3.config.errors import ConfigError, did_you_mean
+from echelon3.observe.mlflow_run import EXPERIMENT_ENV, SWEEP_ENV
 
 KEYS = ("tracking_uri", "experiment", "run_name", "log_models")
 

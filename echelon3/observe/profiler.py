@@ -27,8 +27,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from echelon3.dist import get_rank
-from echelon3.errors import ConfigError
+from echelon3.distributed.ranks import get_rank
+from echelon3.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

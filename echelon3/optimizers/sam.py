@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from echelon3.build import instantiate, is_spec, resolve_type
+from echelon3.config.build import instantiate, is_spec, resolve_type
 
 
 class SAMOptimizer(torch.optim.Optimizer):

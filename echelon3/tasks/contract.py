@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from echelon3.build import to_plain
+from echelon3.config.build import to_plain
 
 
 def tensor_info(value) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """``echelon3 evaluate``: a checkpoint's metrics over the test set(s), as a flat JSON file.
 
-The numbers come from :func:`echelon3.validation.evaluate_sets`, the trainer's
+The numbers come from :func:`echelon3.trainers.evaluation.evaluate_sets`, the trainer's
 validation loop, so validation and evaluation compute exactly the same numbers.
 """
 
@@ -11,9 +11,9 @@ import logging
 from pathlib import Path
 from typing import Sequence
 
-from echelon3.checkpoint import atomic_write_text
-from echelon3.dist import is_main
-from echelon3.validation import evaluate_sets
+from echelon3.checkpoints.files import atomic_write_text
+from echelon3.distributed.ranks import is_main
+from echelon3.trainers.evaluation import evaluate_sets
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,8 @@ class Evaluator:
         """``val`` or ``test``: what the evaluated checkpoint records (older ones: ``test``)."""
         import torch
 
-        from echelon3.checkpoint import CheckpointManager
-        from echelon3.splits import TEST
+        from echelon3.checkpoints.files import CheckpointManager
+        from echelon3.data.splits import TEST
 
         path = CheckpointManager(self.path).for_inference(self.checkpoint)
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -52,7 +52,7 @@ class Evaluator:
 
     def __call__(self, *, net, test_loaders, metrics, losses, precision, device,
                  named_sets) -> dict[str, float]:
-        from echelon3.splits import describe
+        from echelon3.data.splits import describe
 
         results = evaluate_sets(net, test_loaders, metrics, precision=precision, device=device,
                                 losses=losses, named_sets=named_sets,
@@ -69,23 +69,24 @@ class Evaluator:
 
 
 def evaluate(rc, device, launcher) -> None:
-    from echelon3 import build
-    from echelon3.config import require
-    from echelon3.data import create_dataloaders
-    from echelon3.mlops import mlflow
-    from echelon3.rng import seed_everything
-    from echelon3.tasks import load_for_inference
+    from echelon3.config import build
+    from echelon3.tasks import components
+    from echelon3.config.compose import require
+    from echelon3.data.loaders import create_dataloaders
+    from echelon3.observe import mlflow
+    from echelon3.data.rng import seed_everything
+    from echelon3.tasks.inference import load_for_inference
 
     cfg = rc.cfg
     require(cfg, "net", "data", "dataloaders", "target", task="evaluate")
     seed_everything(int(cfg.get("seed", 0)))
-    spec = build.with_default_type(cfg.get("evaluator"), "evaluator", "echelon3.evaluate",
+    spec = build.with_default_type(cfg.get("evaluator"), "evaluator", "echelon3.tasks.evaluate",
                                    "Evaluator")
     evaluator = build.instantiate(spec, "evaluator", rc.config_dir, path=cfg.target.path)
     # Everything the config can get wrong is built before the checkpoint is read.
-    metrics = build.build_metrics(cfg, rc.config_dir, device=device)
-    losses = build.build_losses(cfg, rc.config_dir, required=False, device=device)
-    _, tests, named = build.build_datasets(cfg, rc.config_dir, train=False)
+    metrics = components.build_metrics(cfg, rc.config_dir, device=device)
+    losses = components.build_losses(cfg, rc.config_dir, required=False, device=device)
+    _, tests, named = components.build_datasets(cfg, rc.config_dir, train=False)
     _, loaders = create_dataloaders(cfg.dataloaders, None, tests, rank=launcher.rank,
                                     world_size=launcher.world_size, seed=cfg.get("seed", 0),
                                     config_dir=rc.config_dir)

@@ -23,7 +23,7 @@ TorchScript-based one is tried and a warning says so. The written graph is run
 in onnxruntime and compared with PyTorch on the example batch and, with
 ``dynamic_batch``, at batch sizes 1 and 3; a graph whose batch came out fixed is
 an error naming the cause. What the graph takes and returns is written into its
-metadata and into ``model.json`` (see :mod:`echelon3.contract`).
+metadata and into ``model.json`` (see :mod:`echelon3.tasks.contract`).
 
 A dataset that transforms its inputs declares it with a ``preprocess`` attribute
 (a module: raw inputs -> the inputs it returns) and, so export can feed raw
@@ -46,8 +46,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from echelon3.errors import ConfigError, UserError
-from echelon3.nets.preprocess import Standardize  # noqa: F401  (configs name echelon3.export)
+from echelon3.config.errors import ConfigError, UserError
+from echelon3.nets.preprocess import Standardize  # noqa: F401  (configs name echelon3.tasks.export)
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class Exported(nn.Module):
 
 def settings(cfg) -> dict[str, Any]:
     """The ``export`` section, checked, with defaults."""
-    from echelon3.build import to_plain
+    from echelon3.config.build import to_plain
 
     node = to_plain(cfg.get("export")) or {}
     if node is True:
@@ -116,11 +116,11 @@ def require_extra(formats: list[str]) -> None:
 
 def first_test_set(cfg, config_dir):
     """The first test set, or None without ``data.test`` (``export.input`` then says it all)."""
-    from echelon3 import build
+    from echelon3.tasks import components
 
     if (cfg.get("data") or {}).get("test") is None:
         return None
-    _, tests, _ = build.build_datasets(cfg, config_dir, train=False)
+    _, tests, _ = components.build_datasets(cfg, config_dir, train=False)
     return next(iter(tests.values()))
 
 
@@ -133,7 +133,7 @@ def declared_transform(dataset) -> nn.Module | None:
 def preprocessing(spec, dataset, config_dir) -> tuple[nn.Module | None, str | None]:
     """``export.preprocess`` built -> (module, where it came from); warns when it is missing
     although the test set transforms its inputs."""
-    from echelon3 import build
+    from echelon3.config import build
 
     declared = declared_transform(dataset)
     name = type(dataset).__name__
@@ -178,7 +178,7 @@ def example_input(dataset, spec, raw: bool) -> torch.Tensor:
 
 
 def test_inputs(dataset, indices) -> torch.Tensor:
-    from echelon3.batches import split_batch
+    from echelon3.data.batches import split_batch
 
     inputs, _ = split_batch(torch.utils.data.default_collate([dataset[i] for i in indices]))
     if not isinstance(inputs, torch.Tensor):
@@ -262,7 +262,7 @@ def check(model: Exported, path: Path, example: torch.Tensor, dynamic_batch: boo
     """Largest |ONNX - PyTorch| on the example batch and, with ``dynamic_batch``, at batch
     sizes 1 and 3; a graph with a fixed batch, or one that fails or disagrees at another
     batch size, is an error naming ``export.dynamic_batch``."""
-    from echelon3.contract import graph_io
+    from echelon3.tasks.contract import graph_io
 
     batches = [example]
     if dynamic_batch:
@@ -311,7 +311,7 @@ def one_output(model: Exported, example: torch.Tensor) -> None:
 def save_safetensors(net: nn.Module, path: Path, source: Path) -> None:
     from safetensors.torch import save_file
 
-    from echelon3.checkpoint import atomic_write, strip_prefixes
+    from echelon3.checkpoints.files import atomic_write, strip_prefixes
 
     state = {k: v.detach().cpu().contiguous().clone()
              for k, v in strip_prefixes(net.state_dict()).items()}
@@ -325,7 +325,7 @@ def graph_parts(cfg, spec, config_dir) -> dict[str, Any]:
     """Everything around the network in the graph, and its example, built from the config
     (before any checkpoint is read): test set, preprocess and where it came from,
     postprocess, example batch."""
-    from echelon3 import build
+    from echelon3.config import build
 
     dataset = first_test_set(cfg, config_dir)
     pre, pre_from = preprocessing(spec, dataset, config_dir)
@@ -340,8 +340,8 @@ def graph_parts(cfg, spec, config_dir) -> dict[str, Any]:
 
 def write_onnx(cfg, spec, net: nn.Module, parts: dict, out: Path, source: Path) -> None:
     """``out/model.onnx``, checked, with its contract in its metadata and in ``model.json``."""
-    from echelon3.checkpoint import atomic_write, atomic_write_text
-    from echelon3.contract import describe, write_metadata
+    from echelon3.checkpoints.files import atomic_write, atomic_write_text
+    from echelon3.tasks.contract import describe, write_metadata
 
     model = Exported(net, parts["pre"], parts["post"]).eval()
     example, dataset = parts["example"], parts["dataset"]
@@ -367,10 +367,10 @@ def write_onnx(cfg, spec, net: nn.Module, parts: dict, out: Path, source: Path) 
 
 def export(rc, device, launcher) -> None:
     """The CLI task: on the CPU, rank 0 only."""
-    from echelon3 import build
-    from echelon3.checkpoint import load, load_weights
-    from echelon3.config import require
-    from echelon3.dist import is_main
+    from echelon3.tasks import components
+    from echelon3.checkpoints.files import load, load_weights
+    from echelon3.config.compose import require
+    from echelon3.distributed.ranks import is_main
 
     cfg = rc.cfg
     require(cfg, "net", "target", task="export")
@@ -379,8 +379,8 @@ def export(rc, device, launcher) -> None:
     if not is_main():
         return
     parts = graph_parts(cfg, spec, rc.config_dir) if "onnx" in spec["formats"] else None
-    net = build.build_net(cfg, rc.config_dir)
-    source = build.build_target(cfg, rc.config_dir).for_inference(spec.get("checkpoint"))
+    net = components.build_net(cfg, rc.config_dir)
+    source = components.build_target(cfg, rc.config_dir).for_inference(spec.get("checkpoint"))
     load_weights(net, load(source), source)
     out = Path(spec.get("output") or cfg.target.path)
     out.mkdir(parents=True, exist_ok=True)
@@ -389,7 +389,7 @@ def export(rc, device, launcher) -> None:
         log.info("wrote %s", out / "model.safetensors")
     if parts is not None:
         write_onnx(cfg, spec, net.eval(), parts, out, source)
-    from echelon3.mlops import mlflow
+    from echelon3.observe import mlflow
 
     mlflow.log_exported(rc, [out / name for name in ("model.onnx", "model.json",
                                                       "model.safetensors")])

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from echelon3.checkpoint import strip_prefixes
-from echelon3.errors import CheckpointError, ConfigError
+from echelon3.checkpoints.files import strip_prefixes
+from echelon3.config.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 

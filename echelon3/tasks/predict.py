@@ -20,9 +20,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from echelon3.checkpoint import atomic_write_text
-from echelon3.dist import is_main
-from echelon3.errors import UserError
+from echelon3.checkpoints.files import atomic_write_text
+from echelon3.distributed.ranks import is_main
+from echelon3.config.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class RawInputs(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index: int):
-        from echelon3.batches import split_batch
+        from echelon3.data.batches import split_batch
 
         _, target = split_batch(self.dataset[index])
         return self.dataset.raw_input(index), target
@@ -80,12 +80,12 @@ def graph_inputs(sets: dict, contract: dict, path: Path) -> dict:
 
 
 def predict(rc, device, launcher) -> None:
-    from echelon3 import build
-    from echelon3.config import require
-    from echelon3.data import create_dataloaders
-    from echelon3.validation import evaluate_sets
-    from echelon3.export import require_extra, settings
-    from echelon3.precision import Precision
+    from echelon3.tasks import components
+    from echelon3.config.compose import require
+    from echelon3.data.loaders import create_dataloaders
+    from echelon3.trainers.evaluation import evaluate_sets
+    from echelon3.tasks.export import require_extra, settings
+    from echelon3.distributed.precision import Precision
 
     cfg = rc.cfg
     require(cfg, "data", "dataloaders", "metrics", "target", task="predict")
@@ -100,8 +100,8 @@ def predict(rc, device, launcher) -> None:
     if not contract:
         log.warning("predict: no %s; feeding the test set's inputs as they are", contract_file)
     cpu = torch.device("cpu")
-    metrics = build.build_metrics(cfg, rc.config_dir, device=cpu)
-    _, tests, named = build.build_datasets(cfg, rc.config_dir, train=False)
+    metrics = components.build_metrics(cfg, rc.config_dir, device=cpu)
+    _, tests, named = components.build_datasets(cfg, rc.config_dir, train=False)
     _, loaders = create_dataloaders(cfg.dataloaders, None, graph_inputs(tests, contract, path),
                                     rank=launcher.rank, world_size=launcher.world_size,
                                     seed=cfg.get("seed", 0), config_dir=rc.config_dir)

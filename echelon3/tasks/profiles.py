@@ -21,7 +21,7 @@ import shutil
 import time
 from pathlib import Path
 
-from echelon3.errors import UserError
+from echelon3.config.errors import UserError
 
 
 class ProfileError(UserError):

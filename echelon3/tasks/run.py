@@ -16,10 +16,10 @@ from typing import Any, Mapping
 
 import torch
 
-from echelon3.dist import all_gather_object, is_main
-from echelon3.checkpoint import atomic_write_text
-from echelon3.batches import split_batch, to_device
-from echelon3.errors import UserError
+from echelon3.distributed.ranks import all_gather_object, is_main
+from echelon3.checkpoints.files import atomic_write_text
+from echelon3.data.batches import split_batch, to_device
+from echelon3.config.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class Runner:
 
     def pick(self, out):
         """The output written: the ``output_key`` entry of a mapping, else ``out``."""
-        from echelon3.batches import pick
+        from echelon3.data.batches import pick
 
         if isinstance(out, Mapping) and self.output_key is None:
             raise UserError("runner.output_key", f"the network returns a mapping (keys "
@@ -98,23 +98,24 @@ class Runner:
 
 
 def run(rc, device, launcher) -> None:
-    from echelon3 import build
-    from echelon3.config import require
-    from echelon3.data import create_dataloaders
-    from echelon3.rng import seed_everything
-    from echelon3.tasks import load_for_inference
+    from echelon3.config import build
+    from echelon3.tasks import components
+    from echelon3.config.compose import require
+    from echelon3.data.loaders import create_dataloaders
+    from echelon3.data.rng import seed_everything
+    from echelon3.tasks.inference import load_for_inference
 
     cfg = rc.cfg
     require(cfg, "net", "dataloaders", "target", task="run")
     seed_everything(int(cfg.get("seed", 0)))
-    spec = build.with_default_type(cfg.get("runner"), "runner", "echelon3.run", "Runner")
+    spec = build.with_default_type(cfg.get("runner"), "runner", "echelon3.tasks.run", "Runner")
     runner = build.instantiate(spec, "runner", rc.config_dir, path=cfg.target.path)
     data = getattr(runner, "data", None)
     if data is not None:
         sets, named = {"run": build.instantiate(data, "runner.config.data", rc.config_dir)}, False
     else:
         require(cfg, "data", task="run")
-        _, sets, named = build.build_datasets(cfg, rc.config_dir, train=False)
+        _, sets, named = components.build_datasets(cfg, rc.config_dir, train=False)
     loaders_cfg = cfg.dataloaders
     if data is not None and "run" not in loaders_cfg:
         loaders_cfg = {**loaders_cfg, "run": loaders_cfg.get("test")}

@@ -1,4 +1,4 @@
-"""The training loop, over objects it is handed (built in ``echelon3.train``).
+"""The training loop, over objects it is handed (built in ``echelon3.tasks.train``).
 
 What happens for each micro-batch, in this order (the one place it is written):
 
@@ -43,15 +43,15 @@ from typing import Any, Mapping, Sequence
 import torch
 from tqdm import tqdm  # not tqdm.auto: its asyncio variant opens every loader twice
 
-from echelon3 import preemption
-from echelon3.batches import split_batch, to_device, weighted_loss
-from echelon3.bottleneck import EpochClock, is_compiled
-from echelon3.dist import get_rank, get_world_size, unwrap
+from echelon3.distributed import preemption
+from echelon3.data.batches import split_batch, to_device, weighted_loss
+from echelon3.observe.bottleneck import EpochClock, is_compiled
+from echelon3.distributed.ranks import get_rank, get_world_size, unwrap
 from echelon3.optimizers.closure import is_closure_optimizer
-from echelon3.profiling import Profiler
-from echelon3.rng import restore_for_rank
-from echelon3.runtime import interrupted
-from echelon3.samples import naming_bad_labels
+from echelon3.observe.profiler import Profiler
+from echelon3.data.rng import restore_for_rank
+from echelon3.distributed.runtime import interrupted
+from echelon3.data.samples import naming_bad_labels
 from echelon3.trainers.clipping import GradientClipping
 from echelon3.trainers.early_stopping import EarlyStopping
 from echelon3.trainers.ema import EMA
@@ -61,12 +61,13 @@ from echelon3.trainers.running import RunningLosses
 from echelon3.trainers.state import EpochPosition, MidEpoch
 from echelon3.trainers.stepping import STEP, WAIT, Stepping
 from echelon3.trainers.checkpointing import Checkpointing
+from echelon3.trainers.preempting import Preempting
 from echelon3.trainers.validating import Validation
 
 log = logging.getLogger(__name__)
 
 
-class Trainer(Checkpointing, Validation):
+class Trainer(Checkpointing, Preempting, Validation):
     """Injected: everything but the keyword settings below, which come from ``trainer.config``."""
 
     def __init__(self, *, net, losses, optimizer, train_loader, test_loaders, metrics,

@@ -1,25 +1,21 @@
-"""The trainer's checkpoints: what an epoch checkpoint holds, resuming from one, and the
-preemption checkpoint written in the middle of an epoch.
+"""What a trainer checkpoint holds: the state layout, written and read back.
 
 Every checkpoint holds the network (with ``trainer.config.ema``: the average as
 ``model_state_dict``, the training weights as ``training_model_state_dict``),
 optimizer, scheduler, GradScaler, early-stopping state, epoch, step, metrics and
-every rank's RNG state; a preemption checkpoint adds the mid-epoch parts
-(:mod:`echelon3.trainers.state`). Mixed into the trainer, which provides the
+every rank's RNG state; a checkpoint written in the middle of an epoch adds the
+mid-epoch parts (:mod:`echelon3.trainers.state`; written by
+:mod:`echelon3.trainers.preempting`). Mixed into the trainer, which provides the
 objects named here.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Mapping
 
-from echelon3 import preemption
-from echelon3.checkpoint import TRAINING_WEIGHTS, strip_prefixes
-from echelon3.dist import all_gather_object, get_rank, get_world_size, unwrap
-from echelon3.rng import rng_state
-
-log = logging.getLogger(__name__)
+from echelon3.checkpoints.files import TRAINING_WEIGHTS, strip_prefixes
+from echelon3.distributed.ranks import all_gather_object, get_rank, get_world_size, unwrap
+from echelon3.data.rng import rng_state
 
 
 class Checkpointing:
@@ -64,13 +60,6 @@ class Checkpointing:
         return self.early.reason() if self.early is not None else None
 
     def check_before_save(self) -> None:
+        """Before any checkpoint: pending log records out, and the non-finite check."""
         self._flush_logs()
         self.nonfinite.check_before_save(self._params())
-
-    def _preempt(self, epoch: int) -> None:
-        """Checkpoint the epoch in progress (every rank takes part) and stop."""
-        self.check_before_save()
-        state = {**self.state_dict(), **self.mid_epoch.state()}
-        path = self.checkpoints.save_preempted(state)
-        log.info("%s", preemption.report(epoch + 1, self.global_step, path))
-        raise preemption.Preempted(str(path))

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from echelon3.errors import ConfigError
+from echelon3.config.errors import ConfigError
 from echelon3.trainers.state import own
 
 ALGORITHMS = ("norm", "value")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from echelon3.errors import ConfigError
+from echelon3.config.errors import ConfigError
 
 KEY = "trainer.config.early_stopping"
 SETTINGS = ("patience", "min_delta")

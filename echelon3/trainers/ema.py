@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 import torch
 
-from echelon3.errors import ConfigError
+from echelon3.config.errors import ConfigError
 
 KEY = "trainer.config.ema"
 SETTINGS = ("decay", "every_n_steps", "warmup_steps")

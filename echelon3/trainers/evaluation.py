@@ -3,7 +3,7 @@
 The trainer validates through it and ``echelon3 evaluate`` scores a checkpoint
 through it. Under DDP every rank runs its own shard (no sample counted twice)
 and metrics reduce across ranks. A network may return a mapping of outputs; losses and
-metrics then read their entry (``input_key``, :mod:`echelon3.batches`).
+metrics then read their entry (``input_key``, :mod:`echelon3.data.batches`).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Mapping, Sequence
 import torch
 from tqdm import tqdm  # not tqdm.auto: its asyncio variant opens every loader twice
 
-from echelon3.batches import (batch_size, mapping_error, match_target, split_batch,
+from echelon3.data.batches import (batch_size, mapping_error, match_target, split_batch,
                               to_device, weighted_loss)
-from echelon3.dist import all_reduce_sum_, is_main
-from echelon3.samples import naming_bad_labels
+from echelon3.distributed.ranks import all_reduce_sum_, is_main
+from echelon3.data.samples import naming_bad_labels
 
 
 def metric_name(test_set: str, metric: str, named_sets: bool) -> str:

@@ -16,7 +16,7 @@ from typing import Mapping
 import torch
 import torch.distributed as tdist
 
-from echelon3.dist import get_world_size
+from echelon3.distributed.ranks import get_world_size
 
 
 class LogPoint:

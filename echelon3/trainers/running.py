@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from echelon3.dist import get_world_size
+from echelon3.distributed.ranks import get_world_size
 from echelon3.trainers.state import own
 
 

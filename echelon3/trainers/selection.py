@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from echelon3.errors import ConfigError, did_you_mean
+from echelon3.config.errors import ConfigError, did_you_mean
 
 KEY = "trainer.config.keep_best_on"
 

@@ -1,7 +1,7 @@
 """Validation during training: which sets and metrics, keep-best, ``best.tar``.
 
 Validation runs on every rank over its shard, through the network without its
-DDP wrapper (:func:`echelon3.validation.evaluate_sets`, the numbers ``evaluate``
+DDP wrapper (:func:`echelon3.trainers.evaluation.evaluate_sets`, the numbers ``evaluate``
 computes); metrics reduce across ranks, so keep-best decides the same on every
 rank. Only rank 0 writes (checkpoint manager and logger enforce that).
 """
@@ -13,9 +13,9 @@ from typing import Any, Mapping, Sequence
 
 from torch.nn.parallel import DistributedDataParallel
 
-from echelon3.errors import ConfigError
+from echelon3.config.errors import ConfigError
 from echelon3.trainers.selection import KeepBest
-from echelon3.validation import evaluate_sets, metric_name
+from echelon3.trainers.evaluation import evaluate_sets, metric_name
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class Validation:
 
     def setup_validation(self, metrics_on: str | Sequence[str] | None, keep_best_on: Any,
                          high_is_better: bool, progress_bar: bool) -> None:
-        from echelon3.dist import is_main
+        from echelon3.distributed.ranks import is_main
 
         self.progress_bar = progress_bar and is_main()
         sets = [metrics_on] if isinstance(metrics_on, str) else list(metrics_on

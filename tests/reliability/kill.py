@@ -29,7 +29,7 @@ SLOW_FSYNC = Path(__file__).with_name("slow_fsync")
 DELAY = 0.25  # seconds each checkpoint write stays in flight (see slow_fsync/)
 MARKER = "ECHELON3_TRIAL"
 TORCHRUN = shutil.which("torchrun", path=str(BIN)) or shutil.which("torchrun")
-PRELOAD = ["echelon3.cli", "echelon3.train", "echelon3.evaluate", "echelon3.nets.mlp",
+PRELOAD = ["echelon3.cli", "echelon3.tasks.train", "echelon3.tasks.evaluate", "echelon3.nets.mlp",
            "echelon3.datasets.digits", "torchmetrics.classification", "torch.optim",
            "torch._dynamo", "sklearn.datasets", "sklearn.model_selection"]
 

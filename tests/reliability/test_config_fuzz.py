@@ -20,7 +20,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from echelon3 import cli, dist
+from echelon3 import cli
+from echelon3.distributed import launch as dist
 from echelon3.trainers import baseline
 from tests.helpers import base_config
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from echelon3.lock import RunLocked, hold
+from echelon3.checkpoints.lock import RunLocked, hold
 from tests.helpers import load, same_nested, write_config
 from tests.reliability import kill
 from tests.reliability.kill import DELAY, Run

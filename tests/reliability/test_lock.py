@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from echelon3.lock import LOCK, OWNER, hold
+from echelon3.checkpoints.lock import LOCK, OWNER, hold
 from tests.helpers import echelon3, target, write_config
 
 PROMISE = "two runs, one target: refused at once; a dead run's lock taken over"

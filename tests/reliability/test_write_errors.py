@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from echelon3.mlops import base as mlops_base
+from echelon3.observe import loggers as mlops_base
 from tests.helpers import assert_same_tensors, echelon3, load, write_config
 
 PROMISE = "disk full / write error: one line, previous checkpoint intact, rerun resumes"

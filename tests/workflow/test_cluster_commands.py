@@ -56,7 +56,7 @@ def test_slurm_profile_dry_run_shows_resources_and_commands(tmp_path):
                                     "mem_mb", "runtime", "nodes")} == {
             "slurm_partition": "gpu", "slurm_account": "my_account", "cpus_per_task": "2",
             "mem_mb": "4000", "runtime": "30", "nodes": "1"}
-    # the experiment's name comes first: MLflow's run name and tags (echelon3.mlops.mlflow)
+    # the experiment's name comes first: MLflow's run name and tags (echelon3.observe.mlflow)
     assert ("ECHELON3_EXPERIMENT=digits_cnn echelon3 train -cd config/experiments -cn digits_cnn"
             " on_config_change=restart"
             " device=cpu  target.path=results/digits_cnn > logs/train/digits_cnn.log 2>&1"

@@ -1,11 +1,11 @@
 """Key tables of the Configuration and Workflow pages, read from the code itself.
 
-- root keys: ``echelon3.config.ROOT_KEYS``; defaults from the code's
+- root keys: ``echelon3.config.compose.ROOT_KEYS``; defaults from the code's
   ``cfg.get("key", default)`` reads; "required by" from its ``require(...)`` calls;
-- ``trainer.config``: ``echelon3.train.RUNTIME_KEYS`` and the keyword settings of
+- ``trainer.config``: ``echelon3.tasks.train.RUNTIME_KEYS`` and the keyword settings of
   the built-in ``Trainer`` (its signature less what ``train`` injects);
 - ``target``, ``evaluator``, ``runner``: the built-in classes' signatures;
-- ``dataloaders.*.config``: the keys ``echelon3.data.create_dataloader`` reads;
+- ``dataloaders.*.config``: the keys ``echelon3.data.loaders.create_dataloader`` reads;
 - the workflow's ``config/config.yaml``: its JSON schema.
 
 What each key means is written in ``keys.yaml`` beside this file.
@@ -85,9 +85,13 @@ def required_by(repo: Path) -> dict[str, list[str]]:
     """Section -> tasks whose ``require(cfg, ..., task=...)`` names it."""
     needed: dict[str, list[str]] = {}
     for task in ("train", "evaluate", "run"):
-        for call in _calls(_parse(repo, f"echelon3/{task}.py")):
+        for call in _calls(_parse(repo, f"echelon3/tasks/{task}.py")):
             if getattr(call.func, "id", "") != "require":
                 continue
+            named = [k.value.value for k in call.keywords
+                     if k.arg == "task" and isinstance(k.value, ast.Constant)]
+            if named and named[0] != task:
+                continue  # another command's requirement (finetune's init_from)
             for arg in call.args[1:]:
                 if isinstance(arg, ast.Constant):
                     needed.setdefault(arg.value, []).append(task)
@@ -109,10 +113,10 @@ def built_in_defaults(repo: Path) -> dict[str, str]:
 
 def injected_into_trainer(repo: Path) -> set[str]:
     """Keyword names ``train`` passes to ``build_trainer`` (runtime objects, not settings)."""
-    for call in _calls(_parse(repo, "echelon3/train.py")):
+    for call in _calls(_parse(repo, "echelon3/tasks/train.py")):
         if getattr(call.func, "attr", "") == "build_trainer":
             return {k.arg for k in call.keywords if k.arg and k.arg != "runtime_keys"}
-    raise Undescribed("echelon3/train.py no longer calls build.build_trainer")
+    raise Undescribed("echelon3/tasks/train.py no longer calls components.build_trainer")
 
 
 def signature_defaults(target: Callable, skip: Iterable[str] = ()) -> dict[str, Any]:
@@ -142,7 +146,7 @@ def _check_stale(meanings: dict, section: str, keys: Iterable[str], missing: lis
 
 
 def _root_rows(repo: Path, meanings: dict, missing: list[str]) -> list[tuple[str, ...]]:
-    from echelon3.config import ROOT_KEYS
+    from echelon3.config.compose import ROOT_KEYS
 
     defaults: dict[str, ast.expr | None] = {}
     for path in sorted((repo / "echelon3").rglob("*.py")):
@@ -168,7 +172,7 @@ def _keyword_rows(section: str, defaults: dict[str, Any], meanings: dict,
 
 
 def _trainer_defaults(repo: Path) -> dict[str, Any]:
-    from echelon3.train import RUNTIME_KEYS
+    from echelon3.tasks.train import RUNTIME_KEYS
     from echelon3.trainers.baseline import Trainer
 
     return {**RUNTIME_KEYS, **signature_defaults(Trainer, injected_into_trainer(repo))}
@@ -176,7 +180,7 @@ def _trainer_defaults(repo: Path) -> dict[str, Any]:
 
 def _loader_defaults(repo: Path) -> tuple[dict[str, str], list[str]]:
     """(key -> default text, keys echelon3 sets itself) of ``create_dataloader``."""
-    tree = _parse(repo, "echelon3/data.py")
+    tree = _parse(repo, "echelon3/data/loaders.py")
     function = next(n for n in ast.walk(tree)
                     if isinstance(n, ast.FunctionDef) and n.name == "create_dataloader")
     found = {key: ("`true` for `train`, unused for test loaders"
@@ -221,9 +225,9 @@ def _workflow_rows(repo: Path) -> list[tuple[str, ...]]:
 
 def render_tables(repo: Path) -> dict[str, str]:
     """Region name -> Markdown table."""
-    from echelon3.checkpoint import CheckpointManager
-    from echelon3.evaluate import Evaluator
-    from echelon3.run import Runner
+    from echelon3.checkpoints.files import CheckpointManager
+    from echelon3.tasks.evaluate import Evaluator
+    from echelon3.tasks.run import Runner
 
     meanings = yaml.safe_load(MEANINGS.read_text())
     missing: list[str] = []

@@ -3,7 +3,7 @@
 The scan covers the package, the workflow's helpers (``workflow/rules/*.smk``,
 ``workflow/scripts/*.py``) and reports, for each error made or raised:
 
-- a :class:`echelon3.errors.UserError` (or any class derived from one, in any
+- a :class:`echelon3.config.errors.UserError` (or any class derived from one, in any
   scanned file), wherever it is constructed (a helper may build it for a caller
   to raise): the one line ``echelon3: error: KEY: MESSAGE``, exit code 2;
 - ``WorkerFailed``: the launcher's summary of a failed worker;

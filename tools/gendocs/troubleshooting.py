@@ -86,8 +86,10 @@ def _exit(code: int | None) -> str:
 
 
 # Sections in the order a run meets them; files not listed follow, in path order.
-ORDER = ("echelon3/cli.py", "echelon3/config.py", "echelon3/build.py", "echelon3/runtime.py",
-         "echelon3/dist.py", "echelon3/data.py", "echelon3/precision.py", "echelon3/train.py")
+ORDER = ("echelon3/cli.py", "echelon3/config/compose.py", "echelon3/config/build.py",
+         "echelon3/tasks/components.py", "echelon3/distributed/runtime.py",
+         "echelon3/distributed/launch.py", "echelon3/data/loaders.py",
+         "echelon3/distributed/precision.py", "echelon3/tasks/train.py")
 
 
 def _rank(site: Site) -> tuple[int, str]:

@@ -9,8 +9,8 @@ from omegaconf import OmegaConf
 from snakemake.logging import logger
 from snakemake.utils import validate
 
-from echelon3.config import flatten, load_config
-from echelon3.errors import UserError, did_you_mean
+from echelon3.config.compose import flatten, load_config
+from echelon3.config.errors import UserError, did_you_mean
 
 _MISSING = object()
 

@@ -235,7 +235,7 @@ def launch(wildcards, resources):
 
 def tracking_names(wildcards):
     """ECHELON3_EXPERIMENT (and ECHELON3_SWEEP) for the command: the MLflow run's name
-    and tags, and a sweep's shared MLflow experiment (echelon3.mlops.mlflow)."""
+    and tags, and a sweep's shared MLflow experiment (echelon3.observe.mlflow)."""
     spec = EXPERIMENTS[wildcards.exp]
     names = f"ECHELON3_EXPERIMENT={shlex.quote(wildcards.exp)}"
     if spec.get("sweep"):

@@ -1,6 +1,6 @@
 """The report's part in MLflow tracking: the leaderboard's link to each experiment's
 MLflow run, and the learning curves sent to that run. An experiment trained with the
-`mlflow` key set has an `mlflow` entry in its summary.json (echelon3.mlops.mlflow)
+`mlflow` key set has an `mlflow` entry in its summary.json (echelon3.observe.mlflow)
 naming its tracking URI, run and page; the others have none and get no link."""
 
 import json

@@ -1,0 +1,1 @@
+"""What the network sees: loaders under DDP, the train data, validation splits, batches, bad samples named, random number generators."""

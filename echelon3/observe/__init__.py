@@ -1,0 +1,1 @@
+"""Watching a run: metric loggers (history.jsonl, TensorBoard, MLflow), the bottleneck report, the profiler."""

@@ -1,0 +1,131 @@
+"""What makes a run the same run: the config fingerprint, and what a changed config does.
+
+A checkpoint remembers a fingerprint of the config that made it, ignoring keys that may
+change between attempts (:data:`VOLATILE`: epochs, devices, loader workers, logging). On
+resume a different fingerprint is settled by root ``on_config_change``: ``error`` (the
+default) stops with exit 2 and the changed keys, ``restart`` moves the old files aside
+into ``superseded-<time>/`` and starts over, ``resume`` continues anyway.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from echelon3 import __version__
+from echelon3.checkpoints.extension import planned_epochs
+from echelon3.checkpoints.files import BEST, KEPT_BEST, CheckpointManager, atomic_write_text
+from echelon3.config.compose import changed_keys
+from echelon3.config.errors import CheckpointError, ConfigError
+from echelon3.data import splits
+from echelon3.distributed.ranks import barrier, is_main
+
+log = logging.getLogger(__name__)
+
+# Keys that may differ between attempts of the same run without making it another run.
+VOLATILE = ("device", "gpus", "nproc", "device_ids", "mlops", "mlflow", "evaluator", "runner",
+            "on_config_change", "trainer.config.epochs", "trainer.config.precision",
+            "trainer.config.tf32", "trainer.config.cudnn_benchmark", "trainer.config.compile",
+            "trainer.config.compile_mode", "trainer.config.log_every_n_steps",
+            "trainer.config.progress_bar", "trainer.config.nan_policy", "trainer.config.profile",
+            "trainer.config.extend", "strategy", "fsdp", "activation_checkpointing",
+            "target.path", "target.checkpoints_to_keep", "export")
+_LOADER_VOLATILE = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
+ON_CHANGE = ("error", "restart", "resume")
+
+
+
+def identity(data: dict) -> dict:
+    """What defines the run, from the resolved config (see VOLATILE for what does not)."""
+    data = json.loads(json.dumps(data, default=str))
+    for dotted in VOLATILE:
+        *parents, last = dotted.split(".")
+        node = data
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(last, None)
+    for loader in (data.get("dataloaders") or {}).values():
+        for key in _LOADER_VOLATILE:
+            ((loader or {}).get("config") or {}).pop(key, None)
+    return {k: v for k, v in data.items() if not str(k).startswith("_")}
+
+
+def fingerprint(cfg) -> str:
+    """A hash of :func:`identity`."""
+    data = identity(OmegaConf.to_container(cfg, resolve=True))
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def config_changes(cfg, state: dict, folder: Path) -> str:
+    """``key: old -> new, ...`` between the checkpoint's config (or the folder's
+    config.yaml, for checkpoints older than that record) and this one."""
+    if "run_identity" in state:
+        old = json.loads(state["run_identity"])
+    elif (folder / "config.yaml").is_file():
+        old = identity(OmegaConf.to_container(OmegaConf.load(folder / "config.yaml")))
+    else:
+        return ""
+    changes = changed_keys(old, identity(OmegaConf.to_container(cfg, resolve=True)))
+    return f" ({'; '.join(changes)})" if changes else ""
+
+
+def find_resume_state(cfg, checkpoints: CheckpointManager, fp: str):
+    """(path, state) of the checkpoint to continue from, or None to start fresh."""
+    found = checkpoints.latest_loadable()
+    if found is None:
+        return None
+    path, state = found
+    previous = state.get("config_fingerprint")
+    if previous is None or previous == fp:
+        log.info("Resuming from %s (epoch %d, step %d)", path, state["epoch"],
+                 state["global_step"])
+        return found
+    policy = cfg.get("on_config_change", "error")
+    if policy not in ON_CHANGE:
+        raise ConfigError("on_config_change", f"must be one of {', '.join(ON_CHANGE)}, "
+                          f"got {policy!r}")
+    if policy == "resume":
+        log.warning("%s was made by a different config; resuming anyway (on_config_change: "
+                    "resume)", path)
+        return found
+    if policy == "error":
+        raise CheckpointError(str(checkpoints.path), "holds checkpoints of a different config"
+                              f"{config_changes(cfg, state, checkpoints.path)}; use another "
+                              "target.path, or set on_config_change=restart (moves them aside) "
+                              "or on_config_change=resume")
+    if is_main():
+        aside = checkpoints.path / time.strftime("superseded-%Y%m%d-%H%M%S")
+        aside.mkdir()
+        for old in [*checkpoints.rolling(), checkpoints.path / BEST,
+                    checkpoints.path / KEPT_BEST, checkpoints.path / "history.jsonl"]:
+            if old.exists():
+                shutil.move(str(old), aside / old.name)
+        log.warning("config changed since %s: previous files moved to %s; starting over",
+                    path, aside)
+    barrier()
+    return None
+
+
+def write_run_config(cfg, path: Path) -> None:
+    if not is_main():
+        return
+    data = OmegaConf.to_container(cfg, resolve=True)
+    data["_versions"] = {"echelon3": __version__, "torch": str(torch.__version__)}
+    atomic_write_text(path / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(data)))
+
+
+def run_record(cfg, fp: str) -> dict:
+    """What every checkpoint of this attempt records about the run besides its state."""
+    return {"config_fingerprint": fp,
+            "run_identity": json.dumps(identity(OmegaConf.to_container(cfg, resolve=True)),
+                                       default=str),
+            "epochs": planned_epochs(cfg),  # compared on resume (echelon3.checkpoints.extension)
+            "selected_on": splits.selected_on(cfg.data)}
