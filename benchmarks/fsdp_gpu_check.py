@@ -32,8 +32,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.gpu_check import row  # noqa: E402
 import benchmarks.gpu_check as table  # noqa: E402
+from benchmarks.gpu_check import row  # noqa: E402
 
 STEPS = 30
 
@@ -58,9 +58,9 @@ def check_policy(device, backend: str = "nccl") -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
 
+    from echelon3.checkpoints.consolidate import consolidated
     from echelon3.distributed import fsdp
     from echelon3.nets.transformer import RowTransformer
-    from echelon3.checkpoints.consolidate import consolidated
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")

@@ -4,7 +4,8 @@ Run:  python benchmarks/memory.py [--ranks 1 2 4] [--dim 256] [--depth 4] [--no-
 
 Each configuration starts its ranks (gloo on the CPU; NCCL, one GPU per rank, with
 ``--device cuda``), wraps a :class:`~echelon3.nets.transformer.RowTransformer` as
-``echelon3 train`` does (:func:`echelon3.distributed.ddp.wrap`, :func:`echelon3.distributed.fsdp.shard`),
+``echelon3 train`` does (:func:`echelon3.distributed.ddp.wrap`,
+:func:`echelon3.distributed.fsdp.shard`),
 takes one AdamW step and counts the bytes each rank holds: its parameters, its
 gradients and its optimizer state (for FSDP the local shards of the DTensors). On
 a GPU it adds the peak CUDA memory of the step (``torch.cuda.max_memory_allocated``),
@@ -40,8 +41,7 @@ def nbytes(tensors) -> int:
 
 def measure(strategy: str, dim: int, depth: int, device: torch.device) -> dict[str, int]:
     """One AdamW step of the wrapped network; this rank's bytes (a collective under W > 1)."""
-    from echelon3.distributed import ddp
-    from echelon3.distributed import fsdp
+    from echelon3.distributed import ddp, fsdp
     from echelon3.distributed.ranks import get_world_size
     from echelon3.nets.transformer import RowTransformer
 

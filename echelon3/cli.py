@@ -35,7 +35,8 @@ TASKS = {
                  "(init_from; finetune: freeze_patterns, param_groups)"),
     "evaluate": ("echelon3.tasks.evaluate", "evaluate", "compute metrics of a checkpoint over the "
                  "test set(s) and write them as JSON"),
-    "run": ("echelon3.tasks.run", "run", "run inference with a checkpoint and write predictions as CSV"),
+    "run": ("echelon3.tasks.run", "run", "run inference with a checkpoint and write predictions "
+            "as CSV"),
     "export": ("echelon3.tasks.export", "export", "write a checkpoint's network as ONNX and/or "
                "safetensors weights"),
     "predict": ("echelon3.tasks.predict", "predict", "score the exported model.onnx on the test "

@@ -91,7 +91,8 @@ def probe(tmp_path):
     return tmp_path, lambda **kw: probe_config(tmp_path, **kw)
 
 
-from tests.slurm.cluster import slurm_cluster, slurm_two_nodes  # noqa: E402,F401  (session fixtures: a real local SLURM)
+from tests.slurm.cluster import (  # noqa: E402,F401  (session fixtures: a real local SLURM)
+    slurm_cluster, slurm_two_nodes)
 
 
 def pytest_collection_modifyitems(config, items):

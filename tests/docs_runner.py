@@ -270,8 +270,8 @@ def compose_and_check(project: Path, text: str, file: str | None) -> None:
     """``--print-config`` the block (a fragment goes onto digits_cnn), then pre-flight it."""
     from echelon3 import cli
     from echelon3.config import compose as config
-    from echelon3.data import loaders as data
     from echelon3.config import preflight
+    from echelon3.data import loaders as data
 
     if file is None:
         directory = project / "config" / "experiments"

@@ -16,8 +16,8 @@ import torch
 from omegaconf import OmegaConf
 
 from echelon3 import cli
-from echelon3.distributed import runtime
 from echelon3.checkpoints.files import CheckpointManager
+from echelon3.distributed import runtime
 from echelon3.distributed.precision import Precision
 
 # Pin the CLI's log handler to pytest's own stderr, not to the stream of

@@ -12,10 +12,10 @@ import signal
 import pytest
 import torch
 
-from echelon3.distributed import preemption
 from echelon3.config.errors import ConfigError
-from echelon3.nets.mlp import MLP
+from echelon3.distributed import preemption
 from echelon3.distributed.precision import Precision
+from echelon3.nets.mlp import MLP
 from echelon3.trainers.nonfinite import NonFiniteGuard
 from echelon3.trainers.stepping import Stepping
 from tests.conftest import run_cli

@@ -9,11 +9,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from echelon3.tasks.components import build_optimizer
 from echelon3.config.build import instantiate, iter_specs
-from echelon3.config.preflight import check_specs
 from echelon3.config.errors import BuildError, did_you_mean
+from echelon3.config.preflight import check_specs
 from echelon3.nets.mlp import MLP
+from echelon3.tasks.components import build_optimizer
 from tests.test_cli import TINY_RUN, echelon3
 
 # A user's own components, written next to a config.

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from echelon3.distributed.ddp import DDP_KEYS, check_settings, wrap
 from echelon3.config.errors import ConfigError
+from echelon3.distributed.ddp import DDP_KEYS, check_settings, wrap
 from tests.helpers import single_rank_group
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import REPO
-from tests.docs_runner import (PageRun, copied_quotes, expand_includes, fence_languages,
-                               parse_page)
+from tests.docs_runner import PageRun, copied_quotes, expand_includes, fence_languages, parse_page
 
 PAGES = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
 LANGUAGES = {"bash", "yaml", "python", "text"}

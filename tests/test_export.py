@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
+from echelon3.config.errors import ConfigError
 from echelon3.datasets.digits import Digits
 from echelon3.nets.mlp import MLP
-from echelon3.config.errors import ConfigError
 from echelon3.tasks.export import Exported, Standardize, check, onnx_outputs, preprocessing, to_onnx
 from tests.helpers import echelon3, load, write_config
 

@@ -13,8 +13,8 @@ import torch
 from omegaconf import OmegaConf
 
 from echelon3.config.errors import CheckpointError, ConfigError
-from echelon3.tasks.finetune import WarmStart, load_partial, weights_hash
 from echelon3.nets.mlp import MLP
+from echelon3.tasks.finetune import WarmStart, load_partial, weights_hash
 from tests.helpers import assert_same_tensors, echelon3, load, write_config
 
 FIRST = r"^layers\.1\."  # the MLP's first Linear

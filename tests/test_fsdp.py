@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from echelon3.distributed import preemption
 from echelon3.checkpoints.files import CheckpointManager
+from echelon3.distributed import preemption
 from tests.conftest import edit_yaml, probe_config, run_cli
 from tests.test_dist import _alive, _wait_for
 from tests.test_preemption import _interrupted_run

@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-from echelon3.distributed.ddp import wrap
 from echelon3.config.errors import ConfigError
+from echelon3.distributed.ddp import wrap
 from echelon3.distributed.precision import Precision, resolve_mode
 from echelon3.tasks.train import runtime_settings
 from tests.conftest import run_cli

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from echelon3 import cli
-from echelon3.distributed import preemption
 from echelon3.checkpoints.files import CheckpointManager
+from echelon3.distributed import preemption
 from tests.conftest import echelon3_cmd, probe_config, run_cli
 from tests.test_dist import _alive, _descendants, _session_pids, _wait_for
 

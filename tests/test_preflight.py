@@ -1,12 +1,13 @@
-"""echelon3.config.preflight: every component, trainer included, checked before anything is built."""
+"""echelon3.config.preflight: every component, trainer included, checked before anything is
+built."""
 
 from __future__ import annotations
 
 import pytest
 
 from echelon3.config import preflight
-from echelon3.tasks import components
 from echelon3.config.errors import BuildError
+from echelon3.tasks import components
 from tests.helpers import echelon3, target, write_config
 
 

@@ -14,14 +14,14 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.utils.data import DistributedSampler, default_collate
 
-from echelon3.data.batches import Keyed, weighted_loss
-from echelon3.tasks.components import build_losses, build_metrics
 from echelon3.config.build import instantiate
+from echelon3.config.errors import BuildError, UserError
+from echelon3.data.batches import Keyed, weighted_loss
 from echelon3.data.loaders import create_dataloader
 from echelon3.datasets.digits_heads import DigitsParity
-from echelon3.config.errors import BuildError, UserError
 from echelon3.metrics.adapters import FunctionMetric
 from echelon3.nets.heads import TwoHeadMLP
+from echelon3.tasks.components import build_losses, build_metrics
 from echelon3.trainers.evaluation import update
 from tests import helpers
 from tests.conftest import run_cli

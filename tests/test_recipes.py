@@ -17,8 +17,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from echelon3.trainers import schedulers
 from echelon3.config.errors import BuildError, ConfigError
+from echelon3.trainers import schedulers
 from echelon3.trainers.early_stopping import EarlyStopping
 from tests.helpers import blobs, echelon3, history, load, make_trainer, write_config
 

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from tests.helpers import (assert_same_tensors, echelon3, history, load, make_trainer,
-                           same_nested, target, write_config)
+from tests.helpers import (assert_same_tensors, echelon3, history, load, make_trainer, same_nested,
+                           target, write_config)
 
 STEPS = 6  # per epoch
 

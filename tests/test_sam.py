@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from echelon3.optimizers.sam import SAMOptimizer
-from tests.helpers import ForwardCounter, blobs, echelon3, history, load, make_trainer, target, \
-    write_config
+from tests.helpers import (ForwardCounter, blobs, echelon3, history, load, make_trainer, target,
+                           write_config)
 
 
 def _loss(net, inputs, labels):

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.cluster import SNAKEMAKE_SLURM_ARGS, parse_tres, run_bounded
-
 # The fixture, also when tests/conftest.py does not provide it; both share one
 # cluster per session.
 from tests.slurm.cluster import slurm_cluster  # noqa: F401
+from tests.slurm.cluster import SNAKEMAKE_SLURM_ARGS, parse_tres, run_bounded
 
 JOB_TIMEOUT_S = 60
 SNAKEMAKE_TIMEOUT_S = 240

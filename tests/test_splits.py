@@ -13,9 +13,9 @@ import torch
 from sklearn.model_selection import train_test_split
 from torch.utils.data import Dataset, Subset
 
+from echelon3.config.errors import ConfigError
 from echelon3.data import splits
 from echelon3.datasets.digits import Digits
-from echelon3.config.errors import ConfigError
 from echelon3.nets.mlp import MLP
 from tests.helpers import TRAIN_LIMIT, echelon3, history, load, target, write_config
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from echelon3.distributed import preemption
 from echelon3.data.loaders import SeededDataset
+from echelon3.distributed import preemption
 from echelon3.optimizers.closure import is_closure_optimizer
 from echelon3.optimizers.sam import SAMOptimizer
 from tests.combo import NoisyBlobs

@@ -22,8 +22,8 @@ from typing import IO, Any, Callable
 
 import torch
 
-from echelon3.distributed.ranks import is_main
 from echelon3.config.errors import CheckpointError, write_error
+from echelon3.distributed.ranks import is_main
 
 log = logging.getLogger(__name__)
 

@@ -102,8 +102,8 @@ def for_launch(command: str, cfg) -> Iterator[None]:
 def for_worker(cfg) -> Iterator[None]:
     """In a training worker: rank 0 of a torchrun / srun job locks ``target.path``; every
     rank learns whether it did. Nothing to do where the launching process holds it."""
-    from echelon3.distributed.ranks import all_gather_object, get_rank
     from echelon3.distributed.launch import detect_launcher
+    from echelon3.distributed.ranks import all_gather_object, get_rank
 
     path = target_path(cfg)
     if path is None or detect_launcher().kind == "none" or \

@@ -34,8 +34,8 @@ import torch
 
 from echelon3.checkpoints.consolidate import consolidated
 from echelon3.checkpoints.files import KEPT_BEST, CheckpointManager, atomic_save
-from echelon3.distributed.ranks import barrier, is_main, unwrap
 from echelon3.config.errors import CheckpointError, write_error
+from echelon3.distributed.ranks import barrier, is_main, unwrap
 
 STATE = "state.pt"
 SHARDED = "sharded"  # in a loaded state: the folder whose shards are still to be read

@@ -1,1 +1,2 @@
-"""Configuration: YAML composition and overrides, triples to objects, argument and section checks, the pre-flight, the arithmetic language, and the errors a user can cause."""
+"""Configuration: YAML composition and overrides, triples to objects, argument and section
+checks, the pre-flight, the arithmetic language, and the errors a user can cause."""

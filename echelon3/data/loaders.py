@@ -25,8 +25,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
 from echelon3.config.build import instantiate, is_spec, to_plain
-from echelon3.data.rng import seed_sample
 from echelon3.config.errors import BatchSizeError, BuildError
+from echelon3.data.rng import seed_sample
 from echelon3.data.samples import GuardedCollate, GuardedDataset
 
 log = logging.getLogger(__name__)

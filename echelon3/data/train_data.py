@@ -13,9 +13,9 @@ from typing import Mapping
 
 from torch.utils.data import DataLoader
 
+from echelon3.config.errors import BuildError, ConfigError
 from echelon3.data import splits
 from echelon3.data.loaders import create_dataloader, create_dataloaders
-from echelon3.config.errors import BuildError, ConfigError
 
 
 def _val_loader_name(name: str, named: bool, loaders_cfg: Mapping) -> str:

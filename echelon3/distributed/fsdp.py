@@ -259,7 +259,8 @@ class Strategy:
         return [now[names[id(p)]] for p in params]
 
     def wrap(self, net, device, world_size: int, settings: dict, label: bool):
-        """After: DDP (:func:`echelon3.distributed.ddp.wrap`), or ``torch.compile`` of the sharded net."""
+        """After: DDP (:func:`echelon3.distributed.ddp.wrap`), or ``torch.compile`` of the
+        sharded net."""
         from echelon3.distributed import ddp
 
         if self.fsdp is None:

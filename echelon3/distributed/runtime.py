@@ -20,11 +20,12 @@ from typing import Callable
 
 from omegaconf import OmegaConf
 
-from echelon3.distributed import interrupt, preemption
-from echelon3.distributed import launch as dist
-from echelon3.distributed.ranks import is_main
 from echelon3.config.compose import RunConfig
 from echelon3.config.errors import ConfigError, UserError
+from echelon3.distributed import interrupt
+from echelon3.distributed import launch as dist
+from echelon3.distributed import preemption
+from echelon3.distributed.ranks import is_main
 
 log = logging.getLogger("echelon3")
 

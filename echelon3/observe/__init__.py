@@ -1,1 +1,2 @@
-"""Watching a run: metric loggers (history.jsonl, TensorBoard, MLflow), the bottleneck report, the profiler."""
+"""Watching a run: metric loggers (history.jsonl, TensorBoard, MLflow), the bottleneck
+report, the profiler."""

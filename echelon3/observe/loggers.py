@@ -28,7 +28,8 @@ class Logger:
 
 
 class NoOpLogger(Logger):
-    """What every rank but 0 gets; also ``mlops: {module: echelon3.observe.loggers, type: NoOpLogger}``
+    """What every rank but 0 gets; also
+    ``mlops: {module: echelon3.observe.loggers, type: NoOpLogger}``
     to log nothing at all (``path`` is accepted because the ``mlops`` builder injects it)."""
 
     def __init__(self, path: str | os.PathLike | None = None):

@@ -27,8 +27,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from echelon3.distributed.ranks import get_rank
 from echelon3.config.errors import ConfigError
+from echelon3.distributed.ranks import get_rank
 
 log = logging.getLogger(__name__)
 

@@ -58,7 +58,8 @@ def _dataset_sets(node, key: str, config_dir: Path | None):
 def build_datasets(cfg, config_dir: Path | None = None, train: bool = True):
     """``data``, for training: (train set, validation sets, named?); with ``train=False``:
     (None, test sets, named?). Validation sets are ``data.val``, else what
-    ``data.val_split`` carves from the train set, else ``data.test`` (:mod:`echelon3.data.splits`)."""
+    ``data.val_split`` carves from the train set, else ``data.test``
+    (:mod:`echelon3.data.splits`)."""
     from echelon3.data import splits
 
     data = cfg.data

@@ -70,11 +70,11 @@ class Evaluator:
 
 def evaluate(rc, device, launcher) -> None:
     from echelon3.config import build
-    from echelon3.tasks import components
     from echelon3.config.compose import require
     from echelon3.data.loaders import create_dataloaders
-    from echelon3.observe import mlflow
     from echelon3.data.rng import seed_everything
+    from echelon3.observe import mlflow
+    from echelon3.tasks import components
     from echelon3.tasks.inference import load_for_inference
 
     cfg = rc.cfg

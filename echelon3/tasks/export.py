@@ -367,10 +367,10 @@ def write_onnx(cfg, spec, net: nn.Module, parts: dict, out: Path, source: Path) 
 
 def export(rc, device, launcher) -> None:
     """The CLI task: on the CPU, rank 0 only."""
-    from echelon3.tasks import components
     from echelon3.checkpoints.files import load, load_weights
     from echelon3.config.compose import require
     from echelon3.distributed.ranks import is_main
+    from echelon3.tasks import components
 
     cfg = rc.cfg
     require(cfg, "net", "target", task="export")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 
-from echelon3.tasks import components
 from echelon3.checkpoints.files import CheckpointManager, load, load_weights
 from echelon3.distributed.precision import Precision
+from echelon3.tasks import components
 
 log = logging.getLogger(__name__)
 

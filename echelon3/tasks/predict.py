@@ -21,8 +21,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from echelon3.checkpoints.files import atomic_write_text
-from echelon3.distributed.ranks import is_main
 from echelon3.config.errors import UserError
+from echelon3.distributed.ranks import is_main
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +80,12 @@ def graph_inputs(sets: dict, contract: dict, path: Path) -> dict:
 
 
 def predict(rc, device, launcher) -> None:
-    from echelon3.tasks import components
     from echelon3.config.compose import require
     from echelon3.data.loaders import create_dataloaders
-    from echelon3.trainers.evaluation import evaluate_sets
-    from echelon3.tasks.export import require_extra, settings
     from echelon3.distributed.precision import Precision
+    from echelon3.tasks import components
+    from echelon3.tasks.export import require_extra, settings
+    from echelon3.trainers.evaluation import evaluate_sets
 
     cfg = rc.cfg
     require(cfg, "data", "dataloaders", "metrics", "target", task="predict")

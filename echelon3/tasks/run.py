@@ -16,10 +16,10 @@ from typing import Any, Mapping
 
 import torch
 
-from echelon3.distributed.ranks import all_gather_object, is_main
 from echelon3.checkpoints.files import atomic_write_text
-from echelon3.data.batches import split_batch, to_device
 from echelon3.config.errors import UserError
+from echelon3.data.batches import split_batch, to_device
+from echelon3.distributed.ranks import all_gather_object, is_main
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +99,10 @@ class Runner:
 
 def run(rc, device, launcher) -> None:
     from echelon3.config import build
-    from echelon3.tasks import components
     from echelon3.config.compose import require
     from echelon3.data.loaders import create_dataloaders
     from echelon3.data.rng import seed_everything
+    from echelon3.tasks import components
     from echelon3.tasks.inference import load_for_inference
 
     cfg = rc.cfg

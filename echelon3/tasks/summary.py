@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from echelon3.checkpoints.files import BEST, KEPT_BEST, atomic_write_text
-from echelon3.distributed.ranks import is_main
 from echelon3.data.splits import TEST, describe
+from echelon3.distributed.ranks import is_main
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from echelon3.observe.loggers import NoOpLogger
 from echelon3.optimizers.closure import is_closure_optimizer
 from echelon3.tasks import components
 from echelon3.tasks.finetune import WarmStart, scale_group_lrs
-from echelon3.tasks.identity import fingerprint, find_resume_state, run_record, write_run_config
+from echelon3.tasks.identity import find_resume_state, fingerprint, run_record, write_run_config
 from echelon3.tasks.summary import SUMMARY, finish, forget_unfinished
 from echelon3.trainers import schedulers
 

@@ -43,25 +43,25 @@ from typing import Any, Mapping, Sequence
 import torch
 from tqdm import tqdm  # not tqdm.auto: its asyncio variant opens every loader twice
 
-from echelon3.distributed import preemption
 from echelon3.data.batches import split_batch, to_device, weighted_loss
-from echelon3.observe.bottleneck import EpochClock, is_compiled
-from echelon3.distributed.ranks import get_rank, get_world_size, unwrap
-from echelon3.optimizers.closure import is_closure_optimizer
-from echelon3.observe.profiler import Profiler
 from echelon3.data.rng import restore_for_rank
-from echelon3.distributed.runtime import interrupted
 from echelon3.data.samples import naming_bad_labels
+from echelon3.distributed import preemption
+from echelon3.distributed.ranks import get_rank, get_world_size, unwrap
+from echelon3.distributed.runtime import interrupted
+from echelon3.observe.bottleneck import EpochClock, is_compiled
+from echelon3.observe.profiler import Profiler
+from echelon3.optimizers.closure import is_closure_optimizer
+from echelon3.trainers.checkpointing import Checkpointing
 from echelon3.trainers.clipping import GradientClipping
 from echelon3.trainers.early_stopping import EarlyStopping
 from echelon3.trainers.ema import EMA
 from echelon3.trainers.logpoint import LogPoint
 from echelon3.trainers.nonfinite import NonFiniteGuard
+from echelon3.trainers.preempting import Preempting
 from echelon3.trainers.running import RunningLosses
 from echelon3.trainers.state import EpochPosition, MidEpoch
 from echelon3.trainers.stepping import STEP, WAIT, Stepping
-from echelon3.trainers.checkpointing import Checkpointing
-from echelon3.trainers.preempting import Preempting
 from echelon3.trainers.validating import Validation
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from echelon3.checkpoints.files import TRAINING_WEIGHTS, strip_prefixes
-from echelon3.distributed.ranks import all_gather_object, get_rank, get_world_size, unwrap
 from echelon3.data.rng import rng_state
+from echelon3.distributed.ranks import all_gather_object, get_rank, get_world_size, unwrap
 
 
 class Checkpointing:

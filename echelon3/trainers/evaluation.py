@@ -13,10 +13,10 @@ from typing import Mapping, Sequence
 import torch
 from tqdm import tqdm  # not tqdm.auto: its asyncio variant opens every loader twice
 
-from echelon3.data.batches import (batch_size, mapping_error, match_target, split_batch,
-                              to_device, weighted_loss)
-from echelon3.distributed.ranks import all_reduce_sum_, is_main
+from echelon3.data.batches import (batch_size, mapping_error, match_target, split_batch, to_device,
+                                   weighted_loss)
 from echelon3.data.samples import naming_bad_labels
+from echelon3.distributed.ranks import all_reduce_sum_, is_main
 
 
 def metric_name(test_set: str, metric: str, named_sets: bool) -> str:

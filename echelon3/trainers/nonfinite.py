@@ -23,9 +23,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from echelon3.distributed.ranks import all_gather_object, all_reduce_sum_, get_rank, get_world_size
 from echelon3.config.errors import ConfigError, UserError
 from echelon3.distributed.fsdp import local
+from echelon3.distributed.ranks import all_gather_object, all_reduce_sum_, get_rank, get_world_size
 from echelon3.trainers.state import own
 
 log = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Protocol, Sequence
 
 from echelon3.data.loaders import set_epoch, skip_batches
-from echelon3.distributed.ranks import all_gather_object, get_world_size
 from echelon3.data.rng import restore_for_rank, rng_state, set_rng_state
+from echelon3.distributed.ranks import all_gather_object, get_world_size
 
 KEY = "mid_epoch"
 

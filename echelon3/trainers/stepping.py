@@ -36,9 +36,9 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from echelon3.distributed.ranks import get_world_size
 from echelon3.config.errors import ConfigError
 from echelon3.distributed.fsdp import like, no_sync, sharded_module
+from echelon3.distributed.ranks import get_world_size
 from echelon3.trainers.state import own
 
 KEY = "trainer.config.grad_accum_steps"

@@ -14,8 +14,8 @@ from typing import Any, Mapping, Sequence
 from torch.nn.parallel import DistributedDataParallel
 
 from echelon3.config.errors import ConfigError
-from echelon3.trainers.selection import KeepBest
 from echelon3.trainers.evaluation import evaluate_sets, metric_name
+from echelon3.trainers.selection import KeepBest
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,8 @@ import re
 
 import pytest
 
-from tests.workflow.helpers import (CHAIN, copy_finished, copy_workflow, experiment,
-                                    failing, jobs_for, jobs_listed, planned, shell_commands,
-                                    snakemake)
+from tests.workflow.helpers import (CHAIN, copy_finished, copy_workflow, experiment, failing,
+                                    jobs_for, jobs_listed, planned, shell_commands, snakemake)
 
 
 def job_body(output: str, rule: str, exp: str) -> str:

@@ -9,9 +9,8 @@ import re
 import shutil
 from pathlib import Path
 
-from tests.workflow.helpers import (CHAIN, RUN_S, SLURM_TOOLS, copy_workflow, env_with,
-                                    experiment, jobs_for, planned, resources_of, shell_commands,
-                                    snakemake)
+from tests.workflow.helpers import (CHAIN, RUN_S, SLURM_TOOLS, copy_workflow, env_with, experiment,
+                                    jobs_for, planned, resources_of, shell_commands, snakemake)
 
 PLACEHOLDERS = ("profiles/slurm: default-resources still hold the placeholders "
                 "slurm_account 'my_account' and slurm_partition 'gpu'")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tests.workflow.helpers import GPU_LOCK, RUN_S, copy_workflow, env_with, experiment, snakemake
 
+
 def lock_env(tmp_path, visible: str) -> dict:
     return env_with(CUDA_VISIBLE_DEVICES=visible, ECHELON3_GPU_LOCK_DIR=str(tmp_path / "locks"))
 
