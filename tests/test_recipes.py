@@ -92,6 +92,26 @@ def test_epoch_interval_is_the_default_and_lengths_are_checked():
         schedulers.build(OmegaConf.create(bad), optimizer)
 
 
+
+def test_a_length_under_one_for_the_real_run_is_refused_with_its_numbers():
+    """digits_recipe's cosine after one epoch of warm-up, in a run of one epoch: the
+    pre-flight (placeholder lengths) cannot tell; the builder, with the real ones, does."""
+    spec = {"scheduler": {"module": "torch.optim.lr_scheduler", "type": "SequentialLR",
+                          "interval": "step", "config": {"milestones": ["steps_per_epoch"],
+            "schedulers": [
+                {"module": "torch.optim.lr_scheduler", "type": "LinearLR",
+                 "config": {"start_factor": 0.01, "total_iters": "steps_per_epoch"}},
+                {"module": "torch.optim.lr_scheduler", "type": "CosineAnnealingLR",
+                 "config": {"T_max": "total_steps - steps_per_epoch"}}]}}}
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=LR)
+    assert schedulers.build(OmegaConf.create(spec), optimizer, steps_per_epoch=23,
+                            epochs=2).optimizer is optimizer
+    with pytest.raises(BuildError) as caught:
+        schedulers.build(OmegaConf.create(spec), optimizer, steps_per_epoch=23, epochs=1)
+    assert str(caught.value) == (
+        "scheduler.config.schedulers[1].config.T_max: 'total_steps - steps_per_epoch' is 0 "
+        "for this run (steps_per_epoch 23, epochs 1, total_steps 23); it must be at least 1")
+
 # --------------------------------------------------------------------------- clipping
 
 def hand_written(net, batches, precision, accum, clip, algorithm, lr=LR):
