@@ -376,8 +376,15 @@ def test_best_checkpoint_follows_keep_best_on_end_to_end(tmp_path, keep_best_on,
     best = load(target(tmp_path) / "best.tar")
     assert best["global_step"] == expected["step"]
     assert best["metrics"] == {k: expected[k] for k in ("loss", "accuracy")}
+    # summary.json names the epoch the winning record names (1-based, in progress)
+    summary = json.loads((target(tmp_path) / "summary.json").read_text())
+    assert (summary["best"]["epoch"], summary["best"]["step"]) == (expected["epoch"],
+                                                                  expected["step"])
     if isinstance(keep_best_on, dict) and "loss" in keep_best_on:
         assert expected["step"] < val[-1]["step"]
+        # a validation in the middle of its epoch: a later record of the same epoch exists
+        assert any(r["epoch"] == expected["epoch"] and r["step"] > expected["step"]
+                   for r in val)
 
 
 # --------------------------------------------------------------------------- named test sets

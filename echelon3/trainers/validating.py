@@ -19,6 +19,19 @@ from echelon3.trainers.selection import KeepBest
 
 log = logging.getLogger(__name__)
 
+# In a checkpoint: the epoch (1-based, as history records count it) of the validation that
+# gave its ``metrics``; ``epoch`` beside it counts completed epochs.
+VALIDATED_EPOCH = "validated_epoch"
+
+
+def validation_epoch(state: Mapping[str, Any]) -> int:
+    """The epoch a checkpoint's ``metrics`` were validated in, as its history record says
+    (a validation in the middle of epoch 2 belongs to epoch 2, though 1 epoch is complete).
+    Checkpoints written before the key was kept validated at epoch ends only."""
+    value = state.get(VALIDATED_EPOCH)
+    return int(state["epoch"]) if value is None else int(value)
+
+
 # Keys of every history record; a loss or metric of that name would overwrite one.
 RESERVED = ("split", "epoch", "step", "lr", "grad_norm")
 
@@ -53,6 +66,7 @@ class Validation:
                                   sets[0] if self.named_sets else None)
         self.best_metrics: dict[str, float] | None = None
         self.last_metrics: dict[str, float] = {}
+        self.validated_epoch = 0  # of last_metrics (VALIDATED_EPOCH)
 
     def metric_names(self) -> list[str]:
         names = [metric_name(s, "loss", self.named_sets) for s in self.test_loaders]
@@ -75,7 +89,7 @@ class Validation:
         True when keep-best took this result (saved as best.tar if ``save_best``)."""
         self.check_before_save()
         metrics = self.evaluate()
-        self.last_metrics = metrics
+        self.last_metrics, self.validated_epoch = metrics, epoch
         best = self.keep_best.is_better(metrics, self.best_metrics)
         if best:
             self.best_metrics = dict(metrics)

@@ -118,6 +118,31 @@ def test_learning_curves_put_losses_and_metrics_on_labelled_axes_and_mark_the_be
     assert metric_ax.get_title() == "validation metrics"
 
 
+def test_a_validation_in_the_middle_of_an_epoch_sits_there_and_so_does_its_best():
+    """Two validations an epoch (steps 2 and 4 of 4): the first of epoch 2 sits at 1.5, and
+    a best.tar it chose is marked there, labelled with the epoch its record names."""
+    records = []
+    for epoch in (1, 2, 3):
+        for step in (1, 2, 3, 4):
+            at = (epoch - 1) * 4 + step
+            records.append({"split": "train", "epoch": epoch, "step": at, "loss": 1 / at})
+            if step % 2 == 0:
+                records.append({"split": "val", "epoch": epoch, "step": at, "loss": 1 / at,
+                                "accuracy": at / 20})
+    fig = report_plots.draw_curves("exp", records, best_epoch=2, best_step=6)
+    loss_ax, metric_ax = fig.axes
+    lines = {line.get_label(): line for line in metric_ax.lines}
+    assert list(lines["accuracy"].get_xdata()) == [0.5, 1, 1.5, 2, 2.5, 3]
+    assert list(lines["best.tar: epoch 2"].get_xdata()) == [1.5, 1.5]
+    child = [{"split": "val", "epoch": 1, "step": 4, "loss": 0.1, "accuracy": 0.99}]
+    fig = report_plots.draw_curves("ft", child, best_epoch=1, best_step=4,
+                                   parent=("base", records, {"epoch": 2, "step": 6}))
+    lines = {line.get_label(): line for line in fig.axes[1].lines}
+    assert list(lines["fine-tuning starts (base best.tar)"].get_xdata()) == [1.5, 1.5]
+    assert list(lines["base: accuracy"].get_xdata()) == [0.5, 1, 1.5]  # up to its best.tar
+    assert list(lines["accuracy"].get_xdata()) == [2.5]
+
+
 def test_curves_of_a_run_selected_on_the_test_set_say_test():
     fig = report_plots.draw_curves("exp", history(), best_epoch=4, selected_on="test")
     loss_ax, metric_ax = fig.axes

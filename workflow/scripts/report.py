@@ -230,7 +230,7 @@ def main(smk):
         parent = parents.get(name)
         chain = (parent, *runs[parent]) if parent in runs else None
         save(draw_curves(name, records, best.get("epoch"), best.get(SELECTED_ON, "test"),
-                         parent=chain), png)
+                         parent=chain, best_step=best.get("step")), png)
     log_curves([read_run(s) for s in smk.input.summaries], smk.output.curves)
     save(draw_metrics(table, columns, ranking, higher), smk.output.bars)
     for (name, sweep), png in zip(smk.params.sweeps.items(), smk.output.sweeps):
