@@ -78,3 +78,16 @@ def unwrap(model):
             model = model._orig_mod
         else:
             return model
+
+
+def broadcast_buffers_(*modules) -> None:
+    """Every buffer of ``modules`` (BatchNorm's running statistics, ...) set to rank 0's, in
+    place; a no-op in a single process. Rank 0's buffers are the model's: what each rank
+    validates with and what a checkpoint holds, as DDP makes them before each forward."""
+    if not _initialized():
+        return
+    import torch.distributed as dist
+
+    for module in modules:
+        for buffer in module.buffers():
+            dist.broadcast(buffer.data, src=0)

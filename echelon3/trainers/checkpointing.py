@@ -19,12 +19,15 @@ from typing import Any, Mapping
 from echelon3.checkpoints.files import TRAINING_WEIGHTS, strip_prefixes
 from echelon3.data.rng import rng_state
 from echelon3.trainers.validating import VALIDATED_EPOCH, validation_epoch
-from echelon3.distributed.ranks import all_gather_object, get_rank, get_world_size, unwrap
+from echelon3.distributed.ranks import (all_gather_object, broadcast_buffers_, get_rank,
+                                        get_world_size, unwrap)
 
 
 class Checkpointing:
     def state_dict(self) -> dict[str, Any]:
-        """An epoch checkpoint (a collective: every rank's RNG states are gathered)."""
+        """An epoch checkpoint (a collective: every rank's RNG states are gathered, and
+        rank 0's buffers become every rank's, so a sharded checkpoint's copy is rank 0's)."""
+        broadcast_buffers_(unwrap(self.net), *([self.ema.module] if self.ema else []))
         weights = strip_prefixes(unwrap(self.net).state_dict())
         return {
             # What evaluate, export and finetune load: the EMA weights when on.

@@ -3,7 +3,10 @@
 Validation runs on every rank over its shard, through the network without its
 DDP wrapper (:func:`echelon3.trainers.evaluation.evaluate_sets`, the numbers ``evaluate``
 computes); metrics reduce across ranks, so keep-best decides the same on every
-rank. Only rank 0 writes (checkpoint manager and logger enforce that).
+rank. Only rank 0 writes (checkpoint manager and logger enforce that). Buffers (BatchNorm's
+running statistics) are rank 0's on every rank first
+(:func:`echelon3.distributed.ranks.broadcast_buffers_`): each rank updated its own copy in
+its last training forward, and rank 0's are what ``best.tar`` holds.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any, Mapping, Sequence
 from torch.nn.parallel import DistributedDataParallel
 
 from echelon3.config.errors import ConfigError
+from echelon3.distributed.ranks import broadcast_buffers_
 from echelon3.trainers.evaluation import evaluate_sets, metric_name
 from echelon3.trainers.selection import KeepBest
 
@@ -79,6 +83,7 @@ class Validation:
         ``trainer.config.ema`` is on), every rank on its shard."""
         net = self.net.module if isinstance(self.net, DistributedDataParallel) else self.net
         net = self.ema.module if getattr(self, "ema", None) is not None else net
+        broadcast_buffers_(net)  # every rank validates rank 0's buffers, which are saved
         return evaluate_sets(net, self.test_loaders, self.metrics, precision=self.precision,
                              device=self.device, losses=self.losses, named_sets=self.named_sets,
                              metric_sets=self.metric_sets, float_labels=self.float_labels,
