@@ -122,10 +122,12 @@ def write_run_config(cfg, path: Path) -> None:
     atomic_write_text(path / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(data)))
 
 
-def run_record(cfg, fp: str) -> dict:
-    """What every checkpoint of this attempt records about the run besides its state."""
+def run_record(cfg, fp: str, split: tuple | None = None) -> dict:
+    """What every checkpoint of this attempt records about the run besides its state;
+    ``split``: the (fraction, seed) its validation set was carved with."""
     return {"config_fingerprint": fp,
             "run_identity": json.dumps(identity(OmegaConf.to_container(cfg, resolve=True)),
                                        default=str),
             "epochs": planned_epochs(cfg),  # compared on resume (echelon3.checkpoints.extension)
-            "selected_on": splits.selected_on(cfg.data)}
+            "selected_on": splits.selected_on(cfg.data),
+            splits.RECORD: splits.record(cfg.data, split)}
