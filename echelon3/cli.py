@@ -234,4 +234,11 @@ def _failed(e: Exception) -> int:
     if peer_lost(e):  # one rank of a torchrun / srun job; the failed one said why
         print(f"echelon3: [rank {os.environ.get('RANK', '?')}] {PEER_LOST}", file=sys.stderr)
         return PEER_LOST_EXIT
-    raise e
+    from echelon3.config.errors import blamed
+
+    named = blamed(e)  # a component's own code raised: its traceback, then its config key
+    if named is None:
+        raise e
+    traceback.print_exception(e)
+    print(f"echelon3: error: {named}", file=sys.stderr)
+    return 1

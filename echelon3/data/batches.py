@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from echelon3.config.errors import UserError
+from echelon3.config.errors import UserError, blame
 
 
 def split_batch(batch: Any) -> tuple[Any, torch.Tensor]:
@@ -129,9 +129,10 @@ def weighted_loss(losses: Mapping, pred, target, float_labels: bool = False):
     for name, (fn, weight) in losses.items():
         try:
             parts[name] = part = fn(pred, target)
-        except (TypeError, AttributeError) as e:
+        except Exception as e:
             named = mapping_error(f"loss.{name}", pred, fn, e)
             if named is None:
+                blame(e, f"loss.{name}")
                 raise
             raise named from e
         term = part if weight == 1 else weight * part  # no extra kernel for weight 1

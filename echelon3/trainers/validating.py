@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 
 from torch.nn.parallel import DistributedDataParallel
 
-from echelon3.config.errors import ConfigError
+from echelon3.config.errors import ConfigError, blame
 from echelon3.distributed.ranks import broadcast_buffers_
 from echelon3.trainers.evaluation import evaluate_sets, metric_name
 from echelon3.trainers.selection import KeepBest
@@ -84,10 +84,14 @@ class Validation:
         net = self.net.module if isinstance(self.net, DistributedDataParallel) else self.net
         net = self.ema.module if getattr(self, "ema", None) is not None else net
         broadcast_buffers_(net)  # every rank validates rank 0's buffers, which are saved
-        return evaluate_sets(net, self.test_loaders, self.metrics, precision=self.precision,
-                             device=self.device, losses=self.losses, named_sets=self.named_sets,
-                             metric_sets=self.metric_sets, float_labels=self.float_labels,
-                             progress=self.progress_bar)
+        try:
+            return evaluate_sets(net, self.test_loaders, self.metrics, precision=self.precision,
+                                 device=self.device, losses=self.losses,
+                                 named_sets=self.named_sets, metric_sets=self.metric_sets,
+                                 float_labels=self.float_labels, progress=self.progress_bar)
+        except Exception as e:
+            blame(e, during="validation")
+            raise
 
     def validate(self, epoch: int, save_best: bool = True) -> bool:
         """Validate during ``epoch`` (1-based, the epoch in progress or just finished);
