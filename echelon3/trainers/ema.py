@@ -10,8 +10,11 @@ update nothing.
 
 With EMA on, validation, keep-best and ``best.tar`` use the averaged weights,
 so ``evaluate``, ``run``, ``export`` and ``finetune`` see them; epoch and
-preemption checkpoints keep the training weights and the average both
-(``ema_state_dict``), so a resumed run continues the same average.
+preemption checkpoints keep the training weights and the average both (the average
+as ``model_state_dict``, the training weights as ``training_model_state_dict``), so a
+resumed run continues the same average. An fp16 step the GradScaler skipped (an
+overflow) changed no weight, and the average still moves towards them, as Lightning's
+and timm's do: the step counts for ``every_n_steps`` and ``warmup_steps`` alike.
 The update is one ``torch._foreach_lerp_`` over the floating-point tensors, as
 in :func:`torch.optim.swa_utils.get_ema_multi_avg_fn`, without
 ``AveragedModel``'s read of its step counter, which would wait for the GPU.
