@@ -136,10 +136,24 @@ def _execute(args) -> None:
         loaders.check_batch_sizes(rc.cfg.get("dataloaders"), plan.world_size)
         check_specs(rc.cfg, rc.config_dir, skip=OTHER_TASKS_ONLY[args.command],
                     consumed=consumed)
+        _refuse_early(args.command, rc)
         held.enter_context(lock.for_launch(args.command, rc.cfg))
 
     with held:
         runtime.launch(task, rc, validate)
+
+
+def _refuse_early(command: str, rc) -> None:
+    """Refusals a worker would make that the launcher can see: before anything spawns."""
+    if command in ("train", "finetune"):
+        from echelon3.tasks.identity import refuse_changed_config
+
+        refuse_changed_config(rc.cfg, rc.config_dir)
+    elif command in ("evaluate", "run", "export"):
+        from echelon3.tasks.inference import refuse_without_checkpoint
+
+        section = {"evaluate": "evaluator", "run": "runner", "export": "export"}[command]
+        refuse_without_checkpoint(rc.cfg, rc.config_dir, section)
 
 
 def _load(args):

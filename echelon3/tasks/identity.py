@@ -9,6 +9,7 @@ into ``superseded-<time>/`` and starts over, ``resume`` continues anyway.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -97,10 +98,7 @@ def find_resume_state(cfg, checkpoints: CheckpointManager, fp: str):
                     "resume)", path)
         return found
     if policy == "error":
-        raise CheckpointError(str(checkpoints.path), "holds checkpoints of a different config"
-                              f"{config_changes(cfg, state, checkpoints.path)}; use another "
-                              "target.path, or set on_config_change=restart (moves them aside) "
-                              "or on_config_change=resume")
+        raise _changed(cfg, state, checkpoints.path)
     if is_main():
         aside = checkpoints.path / time.strftime("superseded-%Y%m%d-%H%M%S")
         aside.mkdir()
@@ -131,3 +129,44 @@ def run_record(cfg, fp: str, split: tuple | None = None) -> dict:
             "epochs": planned_epochs(cfg),  # compared on resume (echelon3.checkpoints.extension)
             "selected_on": splits.selected_on(cfg.data),
             splits.RECORD: splits.record(cfg.data, split)}
+
+
+def _changed(cfg, state: dict, folder: Path) -> CheckpointError:
+    return CheckpointError(str(folder), "holds checkpoints of a different config"
+                           f"{config_changes(cfg, state, folder)}; use another target.path, "
+                           "or set on_config_change=restart (moves them aside) or "
+                           "on_config_change=resume")
+
+
+def _state_without_tensors(path: Path) -> dict | None:
+    """A rolling checkpoint's state, its tensors memory-mapped (None: it does not load,
+    which the worker's own reading names)."""
+    source = path / "state.pt" if path.is_dir() else path
+    try:
+        state = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def refuse_changed_config(cfg, config_dir: Path | None) -> None:
+    """In the launcher, before any worker starts: the refusal a changed config gets under
+    ``on_config_change: error`` (the default), found as the worker would find it."""
+    from echelon3.checkpoints.sharded import ShardedCheckpoints
+    from echelon3.tasks import components
+    from echelon3.tasks.finetune import WarmStart
+
+    if cfg.get("on_config_change", "error") != "error" or not cfg.get("target"):
+        return
+    checkpoints = ShardedCheckpoints.like(components.build_target(cfg, config_dir), False)
+    for path in checkpoints.rolling():  # newest first: the one a resume would take
+        state = _state_without_tensors(path)
+        if state is None:
+            continue
+        if state.get("config_fingerprint") is None:
+            return  # from before fingerprints: taken as it is
+        probe = copy.deepcopy(cfg)
+        WarmStart(probe, config_dir).record(probe)  # init_from's weights join the identity
+        if state["config_fingerprint"] != fingerprint(probe):
+            raise _changed(probe, state, checkpoints.path)
+        return
