@@ -162,6 +162,14 @@ def sharded_module(net):
     return net if isinstance(net, FSDPModule) else None
 
 
+def sharded_units(net) -> list:
+    """Every FSDP unit of ``net`` (none when it is not sharded)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    net = getattr(net, "_orig_mod", net)
+    return [m for m in net.modules() if isinstance(m, FSDPModule)]
+
+
 def no_sync(net):
     """FSDP's ``no_sync``: gradients accumulate unreduced until the context exits, and the
     next backward (the window's last) reduce-scatters them all."""
@@ -239,9 +247,6 @@ class Strategy:
         self.fsdp = fsdp_settings(cfg) if self.name == "fsdp" else None
         if self.fsdp is not None:
             check_runtime(settings, self.fsdp, device)
-            if ((cfg.get("trainer") or {}).get("config") or {}).get("ema"):
-                raise ConfigError("trainer.config.ema", "an average of sharded weights is not "
-                                  "kept under strategy fsdp; remove ema or use strategy ddp")
 
     @property
     def sharded(self) -> bool:

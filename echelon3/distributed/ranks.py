@@ -80,14 +80,14 @@ def unwrap(model):
             return model
 
 
-def broadcast_buffers_(*modules) -> None:
-    """Every buffer of ``modules`` (BatchNorm's running statistics, ...) set to rank 0's, in
-    place; a no-op in a single process. Rank 0's buffers are the model's: what each rank
-    validates with and what a checkpoint holds, as DDP makes them before each forward."""
+def broadcast_buffers_(*modules, tensors=()) -> None:
+    """Every buffer of ``modules`` (BatchNorm's running statistics, ...), and ``tensors``,
+    set to rank 0's in place; a no-op in a single process. Rank 0's buffers are the
+    model's: what each rank validates with and what a checkpoint holds, as DDP makes them
+    before each forward."""
     if not _initialized():
         return
     import torch.distributed as dist
 
-    for module in modules:
-        for buffer in module.buffers():
-            dist.broadcast(buffer.data, src=0)
+    for buffer in [*(b for module in modules for b in module.buffers()), *tensors]:
+        dist.broadcast(buffer.data, src=0)

@@ -27,7 +27,7 @@ class Checkpointing:
     def state_dict(self) -> dict[str, Any]:
         """An epoch checkpoint (a collective: every rank's RNG states are gathered, and
         rank 0's buffers become every rank's, so a sharded checkpoint's copy is rank 0's)."""
-        broadcast_buffers_(unwrap(self.net), *([self.ema.module] if self.ema else []))
+        broadcast_buffers_(unwrap(self.net), tensors=self.ema.buffers() if self.ema else ())
         weights = strip_prefixes(unwrap(self.net).state_dict())
         return {
             # What evaluate, export and finetune load: the EMA weights when on.

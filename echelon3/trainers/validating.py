@@ -11,6 +11,7 @@ its last training forward, and rank 0's are what ``best.tar`` holds.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Mapping, Sequence
 
@@ -82,13 +83,16 @@ class Validation:
         """Validation through the network without its DDP wrapper (the EMA weights when
         ``trainer.config.ema`` is on), every rank on its shard."""
         net = self.net.module if isinstance(self.net, DistributedDataParallel) else self.net
-        net = self.ema.module if getattr(self, "ema", None) is not None else net
-        broadcast_buffers_(net)  # every rank validates rank 0's buffers, which are saved
+        averaged = self.ema.swapped_in() if getattr(self, "ema", None) is not None \
+            else contextlib.nullcontext(net)
         try:
-            return evaluate_sets(net, self.test_loaders, self.metrics, precision=self.precision,
-                                 device=self.device, losses=self.losses,
-                                 named_sets=self.named_sets, metric_sets=self.metric_sets,
-                                 float_labels=self.float_labels, progress=self.progress_bar)
+            with averaged as net:
+                broadcast_buffers_(net)  # every rank validates rank 0's buffers, the saved ones
+                return evaluate_sets(net, self.test_loaders, self.metrics,
+                                     precision=self.precision, device=self.device,
+                                     losses=self.losses, named_sets=self.named_sets,
+                                     metric_sets=self.metric_sets,
+                                     float_labels=self.float_labels, progress=self.progress_bar)
         except Exception as e:
             blame(e, during="validation")
             raise
