@@ -11,6 +11,7 @@ import warnings
 import matplotlib
 import pandas as pd
 import pytest
+import yaml
 
 from tests.workflow.helpers import REPO, copy_finished, snakemake
 
@@ -38,6 +39,37 @@ def test_leaderboard_ranking_options(tmp_path):
     with pytest.raises(ValueError, match="leaderboard.metric: 'f1' is in no metrics.json"):
         report.leaderboard(experiments, files, "f1", True)
 
+
+
+def test_runs_on_other_test_data_or_metrics_are_ranked_apart_and_missing_is_blank(tmp_path):
+    """Two 10-class digits runs and a binary one, each folder with its config.yaml: the
+    binary run is not ranked among the others; a metric a run lacks is a blank cell."""
+    digits = {"module": "echelon3.datasets.digits", "type": "Digits",
+              "config": {"split": "test"}}
+    ten = [{"accuracy": {"module": "torchmetrics.classification", "type": "MulticlassAccuracy",
+                         "config": {"num_classes": 10}}}]
+    two = [{"accuracy": {"module": "torchmetrics.classification", "type": "BinaryAccuracy"}}]
+    runs = {"mlp": (ten, {"accuracy": 0.95, "loss": 0.2}), "cnn": (ten, {"accuracy": 0.97}),
+            "parity": (two, {"accuracy": 0.99, "loss": 0.1})}
+    experiments, files = {}, []
+    for name, (metrics, scores) in runs.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.yaml").write_text(yaml.safe_dump({"data": {"test": digits},
+                                                            "metrics": metrics}))
+        files.append(folder / "metrics.json")
+        files[-1].write_text(json.dumps(scores))
+        experiments[name] = {"config": name, "overrides": []}
+    table, ranking, _ = report.leaderboard(experiments, files, "accuracy", True)
+    assert list(zip(table["group"], table["rank"], table["experiment"])) == [
+        (1, 1, "cnn"), (1, 2, "mlp"), (2, 1, "parity")]  # 0.99 is not above the digits runs
+    md = report.markdown(report.rounded(table, report.TABLE_DECIMALS), ranking, True)
+    assert "nan" not in md
+    first, second = md.split("## Group 2: ")
+    assert "## Group 1: test data Digits(split=test); metrics accuracy: " \
+           "MulticlassAccuracy(num_classes=10)" in first and "BinaryAccuracy()" in second
+    cnn = next(line for line in first.splitlines() if "| cnn " in line)
+    assert cnn.rstrip().endswith("|") and cnn.split("|")[-2].strip() == ""  # no loss: blank
 
 def test_leaderboard_keeps_the_selection_score_and_the_test_score_apart(tmp_path):
     """`val <metric>` is best.tar's score on the data that chose it (summary.json), empty
