@@ -34,6 +34,7 @@ SEED = 20261130
 EPOCHS = 3
 RECORDS = EPOCHS * 4  # 3 train records (every 2 of 6 steps) and 1 validation per epoch
 MODES = {"single": 16, "builtin": 2, "torchrun": 2}  # trials per launcher
+DEFAULT_SINGLE = 10  # single-process trials in the default run; the slow set runs all 16
 TIMEOUT = 240
 SLACK = 0.2  # the most a strike waits after its event (< DELAY)
 STARTUP_LINES = 2  # lines every launcher prints before the first step
@@ -152,8 +153,14 @@ def _check_folder(out: Path) -> None:
         json.loads(line)
 
 
-@pytest.mark.parametrize("mode, trial, plan", _plans(),
-                         ids=[f"{m}-{t}" for m, t, _ in _plans()])
+def _params():
+    return [pytest.param(mode, trial, plan, id=f"{mode}-{trial}",
+                         marks=[pytest.mark.slow] if mode == "single" and
+                         trial >= DEFAULT_SINGLE else [])
+            for mode, trial, plan in _plans()]
+
+
+@pytest.mark.parametrize("mode, trial, plan", _params())
 def test_killed_at_random_instants_then_rerun(tmp_path, ctx, references, ledger, mode, trial,
                                               plan):
     out = _config(tmp_path, mode)
