@@ -122,6 +122,16 @@ def mapping_error(key: str, pred: Any, fn: Any, error: Exception) -> UserError |
                      "input_key")
 
 
+def raise_named(key: str, pred: Any, fn: Any, error: Exception):
+    """Raise what ``fn`` (the loss or metric at ``key``) raised: as the ``input_key`` hint
+    when a mapping output was the cause, else marked with ``key`` (its one closing line)."""
+    named = mapping_error(key, pred, fn, error)
+    if named is not None:
+        raise named from error
+    blame(error, key)
+    raise error
+
+
 def weighted_loss(losses: Mapping, pred, target, float_labels: bool = False):
     """Σ weight · loss(pred, target) -> (total, {name: part})."""
     pred, target = match_target(pred, target, float_labels)
@@ -130,11 +140,7 @@ def weighted_loss(losses: Mapping, pred, target, float_labels: bool = False):
         try:
             parts[name] = part = fn(pred, target)
         except Exception as e:
-            named = mapping_error(f"loss.{name}", pred, fn, e)
-            if named is None:
-                blame(e, f"loss.{name}")
-                raise
-            raise named from e
+            raise_named(f"loss.{name}", pred, fn, e)
         term = part if weight == 1 else weight * part  # no extra kernel for weight 1
         total = term if total is None else total + term
     return total, parts

@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm  # not tqdm.auto: its asyncio variant opens every loader twice
 
 from echelon3.config.errors import blame
-from echelon3.data.batches import (batch_size, mapping_error, match_target, split_batch, to_device,
+from echelon3.data.batches import (batch_size, match_target, raise_named, split_batch, to_device,
                                    weighted_loss)
 from echelon3.data.samples import naming_bad_labels
 from echelon3.distributed.ranks import all_reduce_sum_, is_main
@@ -86,8 +86,4 @@ def update(metrics: Mapping, pred, target) -> None:
         try:
             metric.update(pred, target)
         except Exception as e:
-            named = mapping_error(f"metrics.{name}", pred, metric, e)
-            if named is None:
-                blame(e, f"metrics.{name}")
-                raise
-            raise named from e
+            raise_named(f"metrics.{name}", pred, metric, e)
