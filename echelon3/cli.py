@@ -144,16 +144,13 @@ def _execute(args) -> None:
 
 
 def _refuse_early(command: str, rc) -> None:
-    """Refusals a worker would make that the launcher can see: before anything spawns."""
+    """A refusal a worker would make that the launcher can see: before anything spawns.
+    (``evaluate`` of a run with no checkpoint is left to the task, which reports a config
+    mistake first.)"""
     if command in ("train", "finetune"):
         from echelon3.tasks.identity import refuse_changed_config
 
         refuse_changed_config(rc.cfg, rc.config_dir)
-    elif command in ("evaluate", "run", "export"):
-        from echelon3.tasks.inference import refuse_without_checkpoint
-
-        section = {"evaluate": "evaluator", "run": "runner", "export": "export"}[command]
-        refuse_without_checkpoint(rc.cfg, rc.config_dir, section)
 
 
 def _load(args):

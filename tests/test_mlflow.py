@@ -175,8 +175,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_mlflow_run(tmp_p
         "target": {"path": str(tmp_path / "run")},
         "mlops": {"config": {"tensorboard": False}},
         "mlflow": {"tracking_uri": server, "experiment": "failed"}})
-    with pytest.raises(RuntimeError, match="planted failure"):
-        echelon3("train", tmp_path, name="probe")
+    assert echelon3("train", tmp_path, name="probe") == 1  # the net's error, named
     # the run's files were taken back (only the lock's own file may stay), mlflow.json too
     assert [p.name for p in (tmp_path / "run").iterdir()] in ([], [".echelon3.lock"])
     client = MlflowClient(server)

@@ -158,6 +158,10 @@ def refuse_changed_config(cfg, config_dir: Path | None) -> None:
 
     if cfg.get("on_config_change", "error") != "error" or not cfg.get("target"):
         return
+    from echelon3.config.compose import require
+
+    require(cfg, "net", "data", "dataloaders", "loss", "optimizer", "trainer", "target",
+            task="train")  # a missing section is said as such first, as by the task
     checkpoints = ShardedCheckpoints.like(components.build_target(cfg, config_dir), False)
     for path in checkpoints.rolling():  # newest first: the one a resume would take
         state = _state_without_tensors(path)

@@ -12,17 +12,6 @@ from echelon3.tasks import components
 log = logging.getLogger(__name__)
 
 
-def refuse_without_checkpoint(cfg, config_dir, section: str) -> None:
-    """In the launcher, before any worker starts: ``evaluate``, ``run`` or ``export`` of a
-    run that has no checkpoint yet (and names none) is refused as the worker would."""
-    node = cfg.get(section)
-    node = node if hasattr(node, "get") else {}
-    named = node.get("checkpoint") or (node.get("config") or {}).get("checkpoint")
-    if named or not (cfg.get("target") or {}).get("path"):
-        return
-    components.build_target(cfg, config_dir).for_inference(None)  # raises: train first
-
-
 def load_for_inference(rc, device, checkpoint: str | None):
     """The network with a checkpoint's weights, in eval mode, and the root ``precision``.
 
