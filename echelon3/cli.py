@@ -136,10 +136,21 @@ def _execute(args) -> None:
         loaders.check_batch_sizes(rc.cfg.get("dataloaders"), plan.world_size)
         check_specs(rc.cfg, rc.config_dir, skip=OTHER_TASKS_ONLY[args.command],
                     consumed=consumed)
+        _refuse_early(args.command, rc)
         held.enter_context(lock.for_launch(args.command, rc.cfg))
 
     with held:
         runtime.launch(task, rc, validate)
+
+
+def _refuse_early(command: str, rc) -> None:
+    """A refusal a worker would make that the launcher can see: before anything spawns.
+    (``evaluate`` of a run with no checkpoint is left to the task, which reports a config
+    mistake first.)"""
+    if command in ("train", "finetune"):
+        from echelon3.tasks.identity import refuse_changed_config
+
+        refuse_changed_config(rc.cfg, rc.config_dir)
 
 
 def _load(args):
@@ -234,4 +245,11 @@ def _failed(e: Exception) -> int:
     if peer_lost(e):  # one rank of a torchrun / srun job; the failed one said why
         print(f"echelon3: [rank {os.environ.get('RANK', '?')}] {PEER_LOST}", file=sys.stderr)
         return PEER_LOST_EXIT
-    raise e
+    from echelon3.config.errors import blamed
+
+    named = blamed(e)  # a component's own code raised: its traceback, then its config key
+    if named is None:
+        raise e
+    traceback.print_exception(e)
+    print(f"echelon3: error: {named}", file=sys.stderr)
+    return 1

@@ -112,3 +112,15 @@ class ShardOnlySeen(Metric):
 
     def compute(self):
         return float(self.total)
+
+
+class BatchNormNet(nn.Module):
+    """An MLP over 8x8 digits with a BatchNorm1d: running statistics each rank updates."""
+
+    def __init__(self, hidden: int = 32, classes: int = 10):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.BatchNorm1d(hidden),
+                                    nn.ReLU(), nn.Linear(hidden, classes))
+
+    def forward(self, x):
+        return self.layers(x)

@@ -318,6 +318,10 @@ def test_evaluate_and_run_without_any_checkpoint_exit_2(tmp_path, capsys, comman
     write_config(tmp_path)
     assert echelon3(command, tmp_path) == 2
     assert "train first" in capsys.readouterr().err
+    assert echelon3(command, tmp_path, "nproc=2") == 2  # both ranks refuse: said once
+    err = capsys.readouterr().err
+    assert err.count("echelon3: error:") == 1, err
+    assert err.strip().splitlines()[-1].endswith("no checkpoint to load (train first)")
 
 
 def test_a_checkpoint_holds_the_documented_fields(trained):

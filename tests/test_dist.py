@@ -307,8 +307,27 @@ def test_exception_on_rank1_is_reported_and_fails_fast(probe, mode):
     assert "RuntimeError: planted failure on rank 1" in text
     assert "Traceback" in text and "forward" in text  # the rank's own traceback
     assert elapsed < 60, f"took {elapsed:.0f}s: ranks waited on each other"
-    if mode == "builtin":
-        assert "rank 1" in result.stderr and "failed with exit code 1" in result.stderr
+    named = "echelon3: error: net: RuntimeError: planted failure on rank 1 (during training)"
+    assert named in result.stderr.splitlines()
+    if mode == "builtin":  # the launcher's last word
+        assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == named
+
+
+def test_the_same_error_on_both_ranks_prints_one_traceback_and_one_line(probe):
+    """A metric that cannot take the network's output fails on every rank during the
+    first validation: one traceback (the first rank's), then the line naming its key."""
+    config_dir, write = probe
+    write(epochs=1, metrics=[{"auroc": {"module": "torchmetrics.classification",
+                                        "type": "BinaryAUROC"}}])
+    result = launch("builtin", config_dir)
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert sum("Traceback (most recent call last)" in line for line in lines) == 1, \
+        result.stderr
+    named = [line for line in lines if line.startswith("echelon3: error: ")]
+    assert len(named) == 1 and named == lines[-1:], result.stderr
+    assert named[0].startswith("echelon3: error: metrics.auroc: ") and \
+        named[0].endswith("(during validation)"), named
 
 
 def test_rank_killed_by_sigkill_gets_the_oom_hint(probe):

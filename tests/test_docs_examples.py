@@ -8,7 +8,8 @@ from tests.conftest import REPO
 from tests.docs_runner import PageRun, copied_quotes, expand_includes, fence_languages, parse_page
 
 PAGES = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
-LANGUAGES = {"bash", "yaml", "python", "text"}
+# mermaid: docs/architecture.md's diagram, whose arrows tests/test_layers.py checks
+LANGUAGES = {"bash", "yaml", "python", "text", "mermaid"}
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)

@@ -134,3 +134,48 @@ def test_finetune_resumes_and_new_parent_weights_make_a_new_run(tmp_path, traine
     assert echelon3("finetune", split, "trainer.config.epochs=3",
                     f"init_from.checkpoint={tmp_path / 'retrained.tar'}") == 2
     assert "holds checkpoints of a different config" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the parent's split
+
+
+def test_a_child_of_a_run_that_trained_on_all_of_data_train_cannot_carve_a_split(
+        tmp_path, trained, capsys):
+    child(tmp_path, trained, data={"val_split": 0.2})
+    assert echelon3("train", tmp_path) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("echelon3: error: data.val_split: every sample of data.train "
+                           f"trained the run init_from starts from ({trained / 'out'}"), last
+
+
+def test_a_seed_sweep_child_validates_on_its_parents_unseen_samples(tmp_path, caplog):
+    """Parent: seed 0, val_split 0.2. Child: seed 1 (as a seed sweep writes it). The
+    child's validation samples are the parent's, none of which the parent trained on."""
+    from echelon3.data import splits
+    from echelon3.datasets.digits import Digits
+    from tests.helpers import TRAIN_LIMIT
+
+    parent = tmp_path / "parent"
+    write_config(parent, {"data": {"val_split": 0.2}, "trainer": {"config": {"epochs": 1}}})
+    assert echelon3("train", parent) == 0
+    folder = tmp_path / "child"
+    write_config(folder, {"seed": 1, "data": {"val_split": 0.2},
+                          "init_from": {"checkpoint": str(parent / "out" / "best.tar")},
+                          "trainer": {"config": {"epochs": 1}}})
+    with caplog.at_level(logging.INFO, logger="echelon3.data.splits"):
+        assert echelon3("train", folder) == 0
+    assert any("validating on the samples init_from's run" in r.getMessage()
+               for r in caplog.records)
+    record = load(folder / "out" / "best.tar")[splits.RECORD]
+    assert record == load(parent / "out" / "best.tar")[splits.RECORD]
+    assert (record["val_split"], record["seed"]) == (0.2, 0)
+    # by index: what the child validates on is what the parent set aside
+    cfg = OmegaConf.load(folder / "run.yaml")
+    data = Digits(split="train", limit=TRAIN_LIMIT)
+    parent_train, parent_val = splits.carve(data, 0.2, 0)
+    value, seed = splits.for_child(cfg.data, 1, record, "parent")
+    _, child_val = splits.carve(data, value, seed)
+    assert child_val.indices == parent_val.indices
+    assert not set(child_val.indices) & set(parent_train.indices)
+    _, own_draw = splits.carve(data, 0.2, 1)  # what the child would have drawn alone
+    assert set(own_draw.indices) & set(parent_train.indices)

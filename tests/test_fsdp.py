@@ -34,9 +34,10 @@ def _config(directory: Path, strategy: str = "fsdp", net: dict | None = None) ->
                         "activation_checkpointing": ["Linear"],
                         "optimizer": {"module": "torch.optim", "type": "AdamW",
                                       "config": {"lr": 0.05}},
+                        # EMA on: its average is kept sharded, consolidated and resumed
                         "trainer": {"config": {"epochs": EPOCHS, "precision": "fp32",
-                                               "log_every_n_steps": 1,
-                                               "progress_bar": False}}})
+                                               "log_every_n_steps": 1, "progress_bar": False,
+                                               "ema": {"decay": 0.8, "warmup_steps": 2}}}})
     edit_yaml(directory / "probe.yaml",
               lambda cfg: cfg["dataloaders"]["test"]["config"].update(batch_size=6))
 
@@ -57,11 +58,18 @@ def sharded_state(folder: Path, tmp: Path) -> dict:
     return torch.load(out, weights_only=True)
 
 
+TRAINING = "training:"  # _weights' prefix of the training weights beside EMA's average
+
+
 def _weights(directory: Path, epoch: int = EPOCHS) -> dict:
+    """The average (``model_state_dict``) and the training weights, prefixed, of a run."""
     run = directory / "run"
     if (run / f"checkpoint-{epoch}.tar").exists():
-        return torch.load(run / f"checkpoint-{epoch}.tar", weights_only=True)["model_state_dict"]
-    return sharded_state(run / f"checkpoint-{epoch}.dcp", directory)["model_state_dict"]
+        state = torch.load(run / f"checkpoint-{epoch}.tar", weights_only=True)
+    else:
+        state = sharded_state(run / f"checkpoint-{epoch}.dcp", directory)
+    return {**state["model_state_dict"],
+            **{TRAINING + k: v for k, v in state["training_model_state_dict"].items()}}
 
 
 # --------------------------------------------------------------------------- settings, refusals
@@ -132,7 +140,9 @@ def runs(tmp_path_factory):
 
 def test_one_process_ddp_and_fsdp_train_to_the_same_weights(runs):
     one, ddp, fsdp = (_weights(runs[n]) for n in ("one", "ddp", "fsdp"))
-    assert one.keys() == ddp.keys() == fsdp.keys() == {"fc.weight", "fc.bias"}
+    assert one.keys() == ddp.keys() == fsdp.keys() == {
+        "fc.weight", "fc.bias", TRAINING + "fc.weight", TRAINING + "fc.bias"}
+    assert not torch.equal(one["fc.weight"], one[TRAINING + "fc.weight"])  # an average
     assert not torch.equal(one["fc.weight"], _weights(runs["one"], 1)["fc.weight"])  # it moved
     for key in one:
         torch.testing.assert_close(ddp[key], one[key], rtol=0, atol=TOLERANCE)
@@ -147,7 +157,8 @@ def test_sharded_checkpoint_layout_and_a_consolidated_best(runs):
     best = torch.load(run / "best.tar", weights_only=True)
     assert best["optimizer_state_dict"] is None and best["epoch"] >= 1
     # rank 0's file holds the whole network, plain tensors under the network's own names
-    saved = _weights(runs["fsdp"], best["epoch"])
+    saved = {k: v for k, v in _weights(runs["fsdp"], best["epoch"]).items()
+             if not k.startswith(TRAINING)}  # EMA's average: what best.tar holds
     assert best["model_state_dict"].keys() == saved.keys()
     for key, value in saved.items():
         assert type(best["model_state_dict"][key]) is torch.Tensor

@@ -175,8 +175,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_mlflow_run(tmp_p
         "target": {"path": str(tmp_path / "run")},
         "mlops": {"config": {"tensorboard": False}},
         "mlflow": {"tracking_uri": server, "experiment": "failed"}})
-    with pytest.raises(RuntimeError, match="planted failure"):
-        echelon3("train", tmp_path, name="probe")
+    assert echelon3("train", tmp_path, name="probe") == 1  # the net's error, named
     # the run's files were taken back (only the lock's own file may stay), mlflow.json too
     assert [p.name for p in (tmp_path / "run").iterdir()] in ([], [".echelon3.lock"])
     client = MlflowClient(server)
@@ -211,6 +210,30 @@ def test_a_resumed_run_sends_no_step_it_already_sent(tmp_path, server):
     assert sorted(points) == [(s, 10.0 + s) for s in range(1, 7)] + \
         [(s, 20.0 + s) for s in range(7, 10)]
 
+
+
+def test_tracking_turned_on_later_backfills_what_mlflow_never_got(tmp_path, server):
+    """A run trained without MLflow, then tracked: the attempt that finds it finished (and
+    trains nothing) sends its whole history; one that trains on sends the rest as well."""
+    history = JsonlLogger(tmp_path / "history.jsonl")
+    for step in range(1, 7):
+        history.log({"split": "train", "epoch": 1 + (step > 3), "step": step, "loss": 1 / step})
+        if step % 3 == 0:
+            history.log({"split": "val", "epoch": step // 3, "step": step, "accuracy": step / 10})
+    history.close()
+    tracker = Tracker(Settings(server, "backfill", "finished", False), tmp_path)
+    tracker.finish({"best": {"step": 6, "metrics": {"accuracy": 0.6}}})
+    client = MlflowClient(server)
+    assert_mirrors_history(client, tracker.run_id, tmp_path)
+    (tmp_path / STATE).unlink()  # a new MLflow run, which resumes the training:
+    later = Tracker(Settings(server, "backfill", "resumed", False), tmp_path)
+    logger = later.watch(JsonlLogger(tmp_path / "history.jsonl"), resumed=True)
+    for step in (7, 8, 9):
+        logger.log({"split": "train", "epoch": 3, "step": step, "loss": 1 / step})
+    logger.close()
+    later.finish({"best": {"step": 6, "metrics": {"accuracy": 0.6}}})
+    assert later.run_id != tracker.run_id
+    assert_mirrors_history(client, later.run_id, tmp_path)
 
 # --------------------------------------------------------------------------- the workflow
 

@@ -47,3 +47,9 @@ def test_a_bad_trainer_argument_stops_train_before_data_or_model_is_built(
     assert capsys.readouterr().err.strip().splitlines()[-1] == \
         "echelon3: error: trainer.config.epochs: expected an integer, got 'abc'"
     assert built == [] and not (target(tmp_path) / "config.yaml").exists()
+
+
+def test_a_null_scheduler_drops_the_inherited_one(tmp_path):
+    cfg = cfg_with(tmp_path, "scheduler=null")
+    assert cfg.scheduler is None
+    preflight.check_specs(cfg, tmp_path, skip=("evaluator", "runner"))  # no TypeError

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 
 import pytest
@@ -91,6 +92,52 @@ def test_epoch_interval_is_the_default_and_lengths_are_checked():
     with pytest.raises(BuildError, match=r"scheduler.config.step_size: cannot read"):
         schedulers.build(OmegaConf.create(bad), optimizer)
 
+
+
+def test_a_length_under_one_for_the_real_run_is_refused_with_its_numbers():
+    """digits_recipe's cosine after one epoch of warm-up, in a run of one epoch: the
+    pre-flight (placeholder lengths) cannot tell; the builder, with the real ones, does."""
+    spec = {"scheduler": {"module": "torch.optim.lr_scheduler", "type": "SequentialLR",
+                          "interval": "step", "config": {"milestones": ["steps_per_epoch"],
+            "schedulers": [
+                {"module": "torch.optim.lr_scheduler", "type": "LinearLR",
+                 "config": {"start_factor": 0.01, "total_iters": "steps_per_epoch"}},
+                {"module": "torch.optim.lr_scheduler", "type": "CosineAnnealingLR",
+                 "config": {"T_max": "total_steps - steps_per_epoch"}}]}}}
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=LR)
+    assert schedulers.build(OmegaConf.create(spec), optimizer, steps_per_epoch=23,
+                            epochs=2).optimizer is optimizer
+    with pytest.raises(BuildError) as caught:
+        schedulers.build(OmegaConf.create(spec), optimizer, steps_per_epoch=23, epochs=1)
+    assert str(caught.value) == (
+        "scheduler.config.schedulers[1].config.T_max: 'total_steps - steps_per_epoch' is 0 "
+        "for this run (steps_per_epoch 23, epochs 1, total_steps 23); it must be at least 1")
+
+
+def test_a_schedule_in_the_wrong_unit_is_said_once_with_both_numbers(caplog):
+    """interval: step with T_max counted in epochs cycles the cosine many times a run."""
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=LR)
+    wrong = {"scheduler": {"module": "torch.optim.lr_scheduler", "type": "CosineAnnealingLR",
+                           "interval": "step", "config": {"T_max": "epochs - 2"}}}
+    with caplog.at_level(logging.WARNING, logger="echelon3.trainers.schedulers"):
+        schedulers.build(OmegaConf.create(wrong), optimizer, steps_per_epoch=30, epochs=10)
+    assert [r.getMessage() for r in caplog.records] == [
+        "scheduler.config.T_max: the schedule lasts 8 steps but the run has 300 "
+        "(scheduler.interval: step); is the length counted in epochs?"]
+    caplog.clear()
+    warmup_then_cosine = {"scheduler": {
+        "module": "torch.optim.lr_scheduler", "type": "SequentialLR", "interval": "step",
+        "config": {"milestones": ["steps_per_epoch"], "schedulers": [
+            {"module": "torch.optim.lr_scheduler", "type": "LinearLR",
+             "config": {"start_factor": 0.01, "total_iters": "steps_per_epoch"}},
+            {"module": "torch.optim.lr_scheduler", "type": "CosineAnnealingLR",
+             "config": {"T_max": "total_steps - steps_per_epoch"}}]}}}
+    right = {"scheduler": {**wrong["scheduler"], "interval": "epoch"}}
+    with caplog.at_level(logging.WARNING, logger="echelon3.trainers.schedulers"):
+        schedulers.build(OmegaConf.create(warmup_then_cosine), optimizer, steps_per_epoch=30,
+                         epochs=10)
+        schedulers.build(OmegaConf.create(right), optimizer, steps_per_epoch=30, epochs=10)
+    assert caplog.records == []
 
 # --------------------------------------------------------------------------- clipping
 

@@ -141,6 +141,11 @@ def test_a_changed_config_stops_with_exit_2_by_default(tmp_path, capsys):
     assert not (out / "checkpoint-3.tar").exists()
     assert echelon3("train", tmp_path, "optimizer.config.lr=0.01", "trainer.config.epochs=3",
                     "on_config_change=error") == 2
+    capsys.readouterr()
+    assert echelon3("train", tmp_path, "optimizer.config.lr=0.01", "nproc=2") == 2
+    err = capsys.readouterr().err  # the launcher refuses before any worker starts
+    assert "starting 2 workers" not in err and err.count("echelon3: error:") == 1, err
+    assert "optimizer.config.lr: 0.05 -> 0.01" in err.strip().splitlines()[-1], err
 
 
 def test_a_changed_config_with_restart_moves_the_old_run_aside(tmp_path):

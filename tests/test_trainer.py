@@ -126,7 +126,7 @@ def test_float_labels_and_a_single_output_train_with_bce(tmp_path):
                        "accuracy": pytest.approx(best["accuracy"])}
 
 
-def test_without_float_labels_bce_on_integer_labels_fails(tmp_path):
+def test_without_float_labels_bce_on_integer_labels_fails(tmp_path, capsys):
     (tmp_path / "evenodd.py").write_text(BINARY_DIGITS)
     data = {split: {"module": "evenodd.py", "type": "EvenOdd", "config": {"split": split,
                                                                           "limit": 64}}
@@ -135,8 +135,10 @@ def test_without_float_labels_bce_on_integer_labels_fails(tmp_path):
                             "loss": [{"bce": {"module": "torch.nn",
                                               "type": "BCEWithLogitsLoss"}}],
                             "metrics": [], "trainer": {"config": {"keep_best_on": None}}})
-    with pytest.raises(RuntimeError):
-        echelon3("train", tmp_path)
+    assert echelon3("train", tmp_path) == 1  # torch's traceback, then the key whose code raised
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("echelon3: error: loss.bce: RuntimeError: ") and \
+        last.endswith("(during training)"), last
 
 
 # --------------------------------------------------------------------------- losses via the CLI
@@ -376,8 +378,15 @@ def test_best_checkpoint_follows_keep_best_on_end_to_end(tmp_path, keep_best_on,
     best = load(target(tmp_path) / "best.tar")
     assert best["global_step"] == expected["step"]
     assert best["metrics"] == {k: expected[k] for k in ("loss", "accuracy")}
+    # summary.json names the epoch the winning record names (1-based, in progress)
+    summary = json.loads((target(tmp_path) / "summary.json").read_text())
+    assert (summary["best"]["epoch"], summary["best"]["step"]) == (expected["epoch"],
+                                                                  expected["step"])
     if isinstance(keep_best_on, dict) and "loss" in keep_best_on:
         assert expected["step"] < val[-1]["step"]
+        # a validation in the middle of its epoch: a later record of the same epoch exists
+        assert any(r["epoch"] == expected["epoch"] and r["step"] > expected["step"]
+                   for r in val)
 
 
 # --------------------------------------------------------------------------- named test sets

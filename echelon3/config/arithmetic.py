@@ -44,24 +44,34 @@ def evaluate(text: str, names: Mapping[str, int], key: str) -> int:
                          f"over {', '.join(names)}") from None
 
 
-def substitute(node: Any, names: Mapping[str, int], key: str) -> Any:
-    """``node`` with every string that mentions one of ``names`` evaluated."""
+def substitute(node: Any, names: Mapping[str, int], key: str, low: int | None = None) -> Any:
+    """``node`` with every string that mentions one of ``names`` evaluated; with ``low``,
+    a value under it is a :class:`BuildError` that gives the names' values."""
     if isinstance(node, Mapping):
-        return {k: substitute(v, names, f"{key}.{k}") for k, v in node.items()}
+        return {k: substitute(v, names, f"{key}.{k}", low) for k, v in node.items()}
     if isinstance(node, list):
-        return [substitute(v, names, f"{key}[{i}]") for i, v in enumerate(node)]
+        return [substitute(v, names, f"{key}[{i}]", low) for i, v in enumerate(node)]
     if isinstance(node, str) and any(name in node for name in names):
-        return evaluate(node, names, key)
+        value = evaluate(node, names, key)
+        if low is not None and value < low:
+            facts = ", ".join(f"{name} {number}" for name, number in names.items())
+            raise BuildError(key, f"{node!r} is {value} for this run ({facts}); it must be at "
+                             f"least {low}")
+        return value
     return node
 
 
-def with_lengths(node: Any, steps_per_epoch: int = 1, epochs: int = 1) -> dict:
-    """The ``scheduler`` section as plain data, lengths evaluated (1 step, 1 epoch
-    unless given: what the pre-flight checks types with)."""
+def with_lengths(node: Any, steps_per_epoch: int | None = None, epochs: int | None = None) -> dict:
+    """The ``scheduler`` section as plain data, lengths evaluated. Given the run's real
+    ``steps_per_epoch`` and ``epochs`` (the scheduler builder), a length under 1 is refused;
+    without them (the pre-flight, which checks only types) 1 step and 1 epoch stand in."""
+    real = steps_per_epoch is not None and epochs is not None
+    steps_per_epoch, epochs = steps_per_epoch or 1, epochs or 1
     spec = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) \
         else dict(node)
     lengths = {"steps_per_epoch": int(steps_per_epoch), "epochs": int(epochs),
                "total_steps": int(steps_per_epoch) * int(epochs)}
     if isinstance(spec.get("config"), Mapping):
-        spec["config"] = substitute(dict(spec["config"]), lengths, "scheduler.config")
+        spec["config"] = substitute(dict(spec["config"]), lengths, "scheduler.config",
+                                    low=1 if real else None)
     return spec

@@ -73,3 +73,33 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
         by_lower.setdefault(str(choice).lower(), str(choice))
     close = difflib.get_close_matches(str(word).lower(), list(by_lower), n=1, cutoff=0.6)
     return f" (did you mean '{by_lower[close[0]]}'?)" if close else ""
+
+
+# --------------------------------------------------------------------------- blame
+# An exception from a component's own code (a metric's update, the network's forward)
+# is not the user's mistake in the config's words, but the config key that built the
+# component tells the user where to look. Call sites mark what they were running; the
+# innermost mark of each kind wins.
+_KEY, _DURING = "_echelon3_key", "_echelon3_during"
+
+
+def blame(error: BaseException, key: str | None = None, during: str | None = None) -> None:
+    """Mark ``error`` as raised by the component at config ``key``, while ``during``."""
+    for name, value in ((_KEY, key), (_DURING, during)):
+        if value is not None and getattr(error, name, None) is None:
+            try:
+                setattr(error, name, value)
+            except AttributeError:  # an exception type without a __dict__
+                return
+
+
+def blamed(error: BaseException) -> str | None:
+    """``metrics.auroc: IndexError: index 140 is out of bounds (during validation)``: the
+    one line naming the component ``error`` came from, or None when no call site knew."""
+    key = getattr(error, _KEY, None)
+    if key is None:
+        return None
+    during = getattr(error, _DURING, None)
+    text = one_line(str(error).strip().splitlines()[0]) if str(error).strip() else ""
+    what = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return f"{key}: {what}" + (f" (during {during})" if during else "")

@@ -74,7 +74,7 @@ def check_specs(cfg, config_dir: Path | None = None, skip: tuple[str, ...] = (),
         if missing:
             raise BuildError(missing[0], "has no value ('???'); set it in the YAML or with "
                              f"{missing[0]}=...")
-        if section == "scheduler":
+        if section == "scheduler" and node is not None:  # null: the inherited one dropped
             node = with_lengths(node)  # lengths like ``total_steps - 500``
         dropped = tuple((consumed or {}).get(section, ()))
         for key, spec, prefix in _section_specs(str(section), node, dropped):

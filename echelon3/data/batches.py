@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from echelon3.config.errors import UserError
+from echelon3.config.errors import UserError, blame
 
 
 def split_batch(batch: Any) -> tuple[Any, torch.Tensor]:
@@ -122,6 +122,16 @@ def mapping_error(key: str, pred: Any, fn: Any, error: Exception) -> UserError |
                      "input_key")
 
 
+def raise_named(key: str, pred: Any, fn: Any, error: Exception):
+    """Raise what ``fn`` (the loss or metric at ``key``) raised: as the ``input_key`` hint
+    when a mapping output was the cause, else marked with ``key`` (its one closing line)."""
+    named = mapping_error(key, pred, fn, error)
+    if named is not None:
+        raise named from error
+    blame(error, key)
+    raise error
+
+
 def weighted_loss(losses: Mapping, pred, target, float_labels: bool = False):
     """Σ weight · loss(pred, target) -> (total, {name: part})."""
     pred, target = match_target(pred, target, float_labels)
@@ -129,11 +139,8 @@ def weighted_loss(losses: Mapping, pred, target, float_labels: bool = False):
     for name, (fn, weight) in losses.items():
         try:
             parts[name] = part = fn(pred, target)
-        except (TypeError, AttributeError) as e:
-            named = mapping_error(f"loss.{name}", pred, fn, e)
-            if named is None:
-                raise
-            raise named from e
+        except Exception as e:
+            raise_named(f"loss.{name}", pred, fn, e)
         term = part if weight == 1 else weight * part  # no extra kernel for weight 1
         total = term if total is None else total + term
     return total, parts

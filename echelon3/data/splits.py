@@ -11,10 +11,20 @@ number of samples. The split is drawn from root ``seed`` with scikit-learn's
 ``train_test_split``, stratified when the dataset has per-sample labels (a
 ``targets`` or ``labels`` attribute, as torchvision's datasets and
 ``echelon3.datasets.digits`` have) and every class can give samples to both sides.
+
+A run's checkpoints remember how its split was drawn (:func:`record`: a hash of
+``data.train``'s config, the fraction and the seed). A run started with ``init_from``
+from such a checkpoint, on the same ``data.train``, validates on its parent's
+validation samples, which the parent never trained on (:func:`for_child`): the parent's
+fraction and seed are used, whatever its own say, so a seed sweep over fine-tuned runs
+still validates on unseen data. A parent that trained on the whole of ``data.train``
+leaves no unseen sample there: ``data.val_split`` is refused, naming the parent.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 from typing import Any
@@ -29,6 +39,46 @@ log = logging.getLogger(__name__)
 KEY = "data.val_split"
 VAL, TEST = "val", "test"  # which data chose best.tar (summary.json, metrics.json)
 LABEL_ATTRIBUTES = ("targets", "labels")
+RECORD = "validation_split"  # in a checkpoint: how its run's validation set was drawn
+
+
+def _train_identity(data) -> str:
+    from omegaconf import OmegaConf
+
+    spec = data.get("train")
+    plain = OmegaConf.to_container(spec, resolve=True) if OmegaConf.is_config(spec) else spec
+    text = json.dumps(plain, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def record(data, split: tuple[Any, int] | None) -> dict:
+    """What a checkpoint keeps of the run's split: ``data.train``'s identity and the
+    fraction and seed drawn with (None for both when nothing was carved)."""
+    value, seed = split if split is not None else (None, None)
+    return {"train": _train_identity(data), "val_split": value, "seed": seed}
+
+
+def for_child(data, seed: int, parent: dict | None, source: str) -> tuple[Any, int] | None:
+    """(fraction, seed) to carve ``data.val_split`` with, or None when nothing is carved.
+
+    ``parent``: the :func:`record` of the checkpoint ``init_from`` names (None: not an
+    echelon3 checkpoint, or from before the record existed: nothing to compare with).
+    """
+    own = data.get("val_split")
+    if own is None or data.get("val") is not None:
+        return None if own is None else (own, seed)
+    if parent is None or parent.get("train") != _train_identity(data):
+        return own, seed
+    if parent.get("val_split") is None:
+        raise ConfigError(KEY, f"every sample of data.train trained the run init_from "
+                          f"starts from ({source}), so none validates this one fairly; give "
+                          "data.val, or validate on data.test (data.val_split=null)")
+    inherited = parent["val_split"], int(parent["seed"])
+    if inherited != (own, seed):
+        log.info("%s: validating on the samples init_from's run (%s) set aside (%s of "
+                 "data.train, seed %d), not on a draw of %s with seed %d, which would hold "
+                 "samples it trained on", KEY, source, inherited[0], inherited[1], own, seed)
+    return inherited
 
 
 def selected_on(data) -> str:

@@ -24,6 +24,8 @@ Accumulation (``grad_accum_steps``) skips the reduce-scatter inside a window
 (``set_requires_gradient_sync(False)``, FSDP's ``no_sync``); a preemption under
 several ranks stops at a window's end, so an open window is never saved sharded.
 ``compile`` compiles the sharded network. ``trainer.config.ddp_comm`` is refused.
+Buffers (BatchNorm's running statistics) are not sharded; as under DDP, every forward
+starts from rank 0's, so every rank validates and saves the same ones.
 
 Root ``activation_checkpointing: [Block]`` (the same spelling as ``fsdp.units``)
 recomputes the named modules' activations in backward instead of keeping them,
@@ -40,6 +42,7 @@ from typing import Any
 import torch
 
 from echelon3.config.errors import ConfigError
+from echelon3.distributed.ranks import broadcast_buffers_
 
 STRATEGIES = ("ddp", "fsdp")
 FSDP_KEYS = {"units": [], "reshard_after_forward": True, "offload": False}
@@ -144,7 +147,11 @@ def shard(net: torch.nn.Module, device, world_size: int, fsdp: dict, mode: str):
         options["offload_policy"] = CPUOffloadPolicy()
     for module in matching(net, fsdp["units"], "fsdp.units"):
         fully_shard(module, **options)
-    return fully_shard(net, **options)
+    root = fully_shard(net, **options)
+    if any(True for _ in root.buffers()):
+        # FSDP keeps each rank's buffers; as DDP does, every forward starts from rank 0's
+        root.register_forward_pre_hook(lambda module, args: broadcast_buffers_(module))
+    return root
 
 
 def sharded_module(net):
@@ -153,6 +160,14 @@ def sharded_module(net):
 
     net = getattr(net, "_orig_mod", net)
     return net if isinstance(net, FSDPModule) else None
+
+
+def sharded_units(net) -> list:
+    """Every FSDP unit of ``net`` (none when it is not sharded)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    net = getattr(net, "_orig_mod", net)
+    return [m for m in net.modules() if isinstance(m, FSDPModule)]
 
 
 def no_sync(net):
@@ -232,9 +247,6 @@ class Strategy:
         self.fsdp = fsdp_settings(cfg) if self.name == "fsdp" else None
         if self.fsdp is not None:
             check_runtime(settings, self.fsdp, device)
-            if ((cfg.get("trainer") or {}).get("config") or {}).get("ema"):
-                raise ConfigError("trainer.config.ema", "an average of sharded weights is not "
-                                  "kept under strategy fsdp; remove ema or use strategy ddp")
 
     @property
     def sharded(self) -> bool:

@@ -180,13 +180,16 @@ def peer_lost(e: BaseException) -> bool:
         s in text for s in ("Connection closed by peer", "Connection reset by peer"))
 
 
-def _describe_failures(err, relayed=None) -> tuple[str, int]:
+def _describe_failures(err, relayed=None, said: dict[int, str] | None = None) -> tuple[str, int]:
     """Turn elastic's ChildFailedError into one readable message and an exit code.
 
-    Workers print their own traceback (or one-line user error) on stderr before
-    exiting, so the summary only names who failed and how. ``relayed`` (an
-    :class:`echelon3.distributed.interrupt.Relay`) tells which signal the launcher passed on.
+    Workers print their own traceback before exiting and leave the line that says why
+    in ``said`` (:mod:`echelon3.distributed.reports`: a user error, or the config key whose
+    component raised); each different line is said once, and the summary names who else
+    failed and how. ``relayed`` (an :class:`echelon3.distributed.interrupt.Relay`) tells
+    which signal the launcher passed on.
     """
+    said = said or {}
     lines, codes = [], set()
     failures = sorted(err.failures.items())
     if any(f.exitcode != PEER_LOST_EXIT for _, f in failures):
@@ -211,7 +214,10 @@ def _describe_failures(err, relayed=None) -> tuple[str, int]:
             codes.add(code)
             continue
         codes.add(2 if code == 2 else 1)
-        if code == -signal.SIGKILL and relayed is not None and relayed.killed:
+        if code in (1, 2) and rank in said:
+            if said[rank] not in lines:
+                lines.append(said[rank])
+        elif code == -signal.SIGKILL and relayed is not None and relayed.killed:
             lines.append(f"rank {rank} (pid {failure.pid}) did not stop within "
                          f"{relayed.grace_s:.0f} s of {relayed.received.name}; killed")
         elif code == -signal.SIGKILL:
@@ -257,7 +263,7 @@ def spawn(entrypoint: Callable, args: tuple, nproc: int) -> None:
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from echelon3.distributed import interrupt
+    from echelon3.distributed import interrupt, reports
 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
@@ -279,12 +285,13 @@ def spawn(entrypoint: Callable, args: tuple, nproc: int) -> None:
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()
-    with interrupt.relay(signals, _workers, SHUTDOWN_S) as relayed:
+    with reports.shared_folder(), interrupt.relay(signals, _workers, SHUTDOWN_S) as relayed:
         try:
             elastic_launch(config, entrypoint)(*args)
         except elastic_errors.ChildFailedError as e:
             failed = e
         else:
             return
-    message, code = _describe_failures(failed, relayed)
+        said = reports.lines()
+    message, code = _describe_failures(failed, relayed, said)
     raise WorkerFailed(message, code) from None

@@ -78,3 +78,16 @@ def unwrap(model):
             model = model._orig_mod
         else:
             return model
+
+
+def broadcast_buffers_(*modules, tensors=()) -> None:
+    """Every buffer of ``modules`` (BatchNorm's running statistics, ...), and ``tensors``,
+    set to rank 0's in place; a no-op in a single process. Rank 0's buffers are the
+    model's: what each rank validates with and what a checkpoint holds, as DDP makes them
+    before each forward."""
+    if not _initialized():
+        return
+    import torch.distributed as dist
+
+    for buffer in [*(b for module in modules for b in module.buffers()), *tensors]:
+        dist.broadcast(buffer.data, src=0)

@@ -21,10 +21,10 @@ from typing import Callable
 from omegaconf import OmegaConf
 
 from echelon3.config.compose import RunConfig
-from echelon3.config.errors import ConfigError, UserError
+from echelon3.config.errors import ConfigError, UserError, blamed
 from echelon3.distributed import interrupt
 from echelon3.distributed import launch as dist
-from echelon3.distributed import preemption
+from echelon3.distributed import preemption, reports
 from echelon3.distributed.ranks import is_main
 
 log = logging.getLogger("echelon3")
@@ -218,18 +218,29 @@ def _worker_exit_code(task: Task, rc: RunConfig, plan: Plan) -> int:
 
 
 def _reported(e: Exception, rank: str) -> int:
-    """Say why this worker failed (one line for a user error) -> its exit code."""
+    """Say why this worker failed -> its exit code. A user error is one line; an exception
+    is its traceback, printed by the first rank it happened to (:mod:`echelon3.distributed.reports`),
+    then the line naming the config key whose component raised it. Under echelon3's own
+    launcher the lines go to the launcher, which says each once, last."""
     if isinstance(e, UserError):
-        print(f"echelon3: error: {e}", file=sys.stderr, flush=True)
+        if not reports.report(rank, f"error: {e}"):
+            print(f"echelon3: error: {e}", file=sys.stderr, flush=True)
         return 2
     if isinstance(e, dist.WorkerFailed):
         print(f"echelon3: [rank {rank}] {e}", file=sys.stderr, flush=True)
         return e.exit_code
     if dist.peer_lost(e):  # the rank that failed has said why; no second story here
-        print(f"echelon3: [rank {rank}] {dist.PEER_LOST}", file=sys.stderr, flush=True)
+        if not reports.shared():
+            print(f"echelon3: [rank {rank}] {dist.PEER_LOST}", file=sys.stderr, flush=True)
         return dist.PEER_LOST_EXIT
-    print(f"[rank {rank}] " + "".join(traceback.format_exception(e)).rstrip(), file=sys.stderr,
-          flush=True)
+    named = blamed(e)
+    # the same failure on every rank: one traceback (its numbers may differ per shard)
+    same = named.split(": ", 2)[:2] if named else [type(e).__qualname__, str(e)]
+    if reports.first_to_print(" ".join(same)):
+        print(f"[rank {rank}] " + "".join(traceback.format_exception(e)).rstrip(),
+              file=sys.stderr, flush=True)
+    if named is not None and not reports.report(rank, f"error: {named}"):
+        print(f"echelon3: error: {named}", file=sys.stderr, flush=True)
     return 1
 
 

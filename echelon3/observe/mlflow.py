@@ -62,6 +62,7 @@ class Tracker:
         self.run_id = self.experiment_id = self.error = None
         self._client = None
         self._before: dict[str, int] = {}  # metric -> last step MLflow held before this attempt
+        self._first: dict[str, int] = {}  # metric -> first step this attempt sent
 
     @property
     def on(self) -> bool:
@@ -163,7 +164,7 @@ class Tracker:
 
     # ------------------------------------------------------------------ what is logged
 
-    def log_records(self, records: list[dict]) -> None:
+    def log_records(self, records: list[dict], backfill: bool = False) -> None:
         """Train / validation / time records as metrics ``split/name`` at their step."""
         if not records or not self.ensure_run():
             return
@@ -180,12 +181,33 @@ class Tracker:
                     continue
                 metrics.append(Metric(metric_key(f"{split}/{name}"), float(value), now + i,
                                       step))
-        self.log_metrics(metrics)
+        self.log_metrics(metrics, backfill)
 
-    def log_metrics(self, metrics: list) -> None:
+    def backfill(self) -> None:
+        """The records of ``history.jsonl`` that MLflow never got: tracking turned on for a
+        run that had trained without it (a finished run trains nothing, so this attempt
+        sends no record of its own), or before this attempt's first record."""
+        path = self.folder / "history.jsonl"
+        if not path.is_file():
+            return
+        records = []
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue  # a torn last line
+        self.log_records(records, backfill=True)
+
+    def log_metrics(self, metrics: list, backfill: bool = False) -> None:
         """``metrics``, less the points at or before the last step MLflow held for their
-        metric when this attempt began (sent by an earlier attempt)."""
+        metric when this attempt began (sent by an earlier attempt); ``backfill``: also
+        less those at or after the first step this attempt sent."""
         metrics = [m for m in metrics if m.step > self._before.get(m.key, -1)]
+        if backfill:
+            metrics = [m for m in metrics if m.step < self._first.get(m.key, m.step + 1)]
+        else:
+            for m in metrics:
+                self._first.setdefault(m.key, m.step)
         for i in range(0, len(metrics), BATCH):
             if self._call("logging metrics", self._client.log_batch, self.run_id,
                           metrics=metrics[i:i + BATCH]) is None and not self.on:
@@ -229,6 +251,7 @@ class Tracker:
         if self.ensure_run():
             from mlflow.entities import Metric
 
+            self.backfill()
             best = (summary or {}).get("best") or {}
             now = int(time.time() * 1000)
             self.log_metrics([Metric(metric_key(f"best/{k}"), float(v), now,

@@ -55,11 +55,12 @@ def _dataset_sets(node, key: str, config_dir: Path | None):
     return sets, True
 
 
-def build_datasets(cfg, config_dir: Path | None = None, train: bool = True):
+def build_datasets(cfg, config_dir: Path | None = None, train: bool = True,
+                   split: tuple | None = None):
     """``data``, for training: (train set, validation sets, named?); with ``train=False``:
     (None, test sets, named?). Validation sets are ``data.val``, else what
-    ``data.val_split`` carves from the train set, else ``data.test``
-    (:mod:`echelon3.data.splits`)."""
+    ``data.val_split`` carves from the train set (with ``split``'s fraction and seed when
+    given, else its own and root ``seed``), else ``data.test`` (:mod:`echelon3.data.splits`)."""
     from echelon3.data import splits
 
     data = cfg.data
@@ -72,7 +73,8 @@ def build_datasets(cfg, config_dir: Path | None = None, train: bool = True):
                 raise BuildError("data.val_split", "give data.val or data.val_split, not both")
             return (train_set, *_dataset_sets(data.val, "data.val", config_dir))
         if data.get("val_split") is not None:
-            train_set, val_set = splits.carve(train_set, data.val_split, int(cfg.get("seed", 0)))
+            value, seed = split or (data.val_split, int(cfg.get("seed", 0)))
+            train_set, val_set = splits.carve(train_set, value, seed)
             return train_set, {splits.VAL: val_set}, False
     test = data.get("test")
     if test is None:

@@ -26,8 +26,10 @@ class Evaluator:
     ``metrics_on``: named test sets to compute metrics on (default all);
     ``float_labels``: cast labels to float (default: ``trainer.config.float_labels``).
 
-    The JSON holds the metrics and ``selected_on``: the data whose validation chose the
-    checkpoint (``val``, or ``test`` when the test set chose it too), as its run recorded.
+    The JSON holds the metrics and, for the checkpoint keep-best chose (``best.tar``, or a
+    rolling checkpoint that is the same file), ``selected_on``: the data whose validation
+    chose it (``val``, or ``test`` when the test set chose it too), as its run recorded. A
+    rolling checkpoint no validation chose has no ``selected_on``.
     """
 
     def __init__(self, path: str, checkpoint: str | None = None, output: str | None = None,
@@ -39,14 +41,20 @@ class Evaluator:
         self.metrics_on = [metrics_on] if isinstance(metrics_on, str) else metrics_on
         self.float_labels = float_labels
 
-    def selected_on(self) -> str:
-        """``val`` or ``test``: what the evaluated checkpoint records (older ones: ``test``)."""
+    def selected_on(self) -> str | None:
+        """``val`` or ``test``: what the evaluated checkpoint records (older ones: ``test``);
+        None for a rolling checkpoint that keep-best did not choose."""
+        import os
+
         import torch
 
-        from echelon3.checkpoints.files import CheckpointManager
+        from echelon3.checkpoints.files import BEST, KEPT_BEST, CheckpointManager
         from echelon3.data.splits import TEST
 
         path = CheckpointManager(self.path).for_inference(self.checkpoint)
+        best = [self.path / name for name in (BEST, KEPT_BEST) if (self.path / name).exists()]
+        if not any(os.path.samefile(path, chosen) for chosen in best):
+            return None
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         return str(state.get("selected_on") or TEST)
 
@@ -59,11 +67,13 @@ class Evaluator:
                                 metric_sets=self.metrics_on, float_labels=self.float_labels)
         if is_main():
             selected = self.selected_on()
-            atomic_write_text(self.output, json.dumps({**results, "selected_on": selected},
+            chosen = {"selected_on": selected} if selected is not None else {}
+            atomic_write_text(self.output, json.dumps({**results, **chosen},
                                                       indent=2, sort_keys=True) + "\n")
             width = max((len(k) for k in results), default=6)
             table = "\n".join(f"  {k:<{width}}  {v:.4f}" for k, v in results.items())
-            log.info("test metrics, checkpoint %s (written to %s):\n%s", describe(selected),
+            log.info("test metrics, checkpoint %s (written to %s):\n%s",
+                     describe(selected) if selected else "chosen by no validation",
                      self.output, table)
         return results
 

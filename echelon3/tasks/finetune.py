@@ -36,6 +36,7 @@ from omegaconf import OmegaConf
 
 from echelon3.checkpoints.files import strip_prefixes
 from echelon3.config.errors import CheckpointError, ConfigError
+from echelon3.data import splits
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,12 @@ def source_path(checkpoint: str, config_dir: Path | None) -> Path:
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """Network weights of an echelon3 checkpoint or a bare state_dict, prefixes stripped."""
+    return read_source(path)[0]
+
+
+def read_source(path: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """(weights, how its run's validation split was drawn: None when the file does not
+    say) of an echelon3 checkpoint or a bare state_dict."""
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -88,11 +95,13 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError("init_from.checkpoint", f"cannot load {path} ({reason})") from e
+    split = None
     if isinstance(data, dict) and "model_state_dict" in data:
+        split = data.get(splits.RECORD)
         data = data["model_state_dict"]
     if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
         raise CheckpointError("init_from.checkpoint", f"{path} holds no network weights")
-    return strip_prefixes(data)
+    return strip_prefixes(data), split
 
 
 def weights_hash(state: dict[str, torch.Tensor]) -> str:
@@ -139,11 +148,18 @@ class WarmStart:
         self.groups = _groups(node.get("param_groups") or [])
         self.path = source_path(self.init["checkpoint"], config_dir) if self.init else None
         self._state: dict[str, torch.Tensor] | None = None
+        self._split: dict | None = None
 
     def source(self) -> dict[str, torch.Tensor] | None:
         if self.path is not None and self._state is None:
-            self._state = read_weights(self.path)
+            self._state, self._split = read_source(self.path)
         return self._state
+
+    def split(self, data, seed: int) -> tuple | None:
+        """(fraction, seed) this run carves ``data.val_split`` with: its parent's when it
+        starts from an echelon3 run on the same data (:func:`echelon3.data.splits.for_child`)."""
+        self.source()
+        return splits.for_child(data, seed, self._split, str(self.path))
 
     def identity(self) -> str | None:
         """Hash of the source weights, or None without ``init_from``."""

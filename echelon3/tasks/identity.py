@@ -9,6 +9,7 @@ into ``superseded-<time>/`` and starts over, ``resume`` continues anyway.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -97,10 +98,7 @@ def find_resume_state(cfg, checkpoints: CheckpointManager, fp: str):
                     "resume)", path)
         return found
     if policy == "error":
-        raise CheckpointError(str(checkpoints.path), "holds checkpoints of a different config"
-                              f"{config_changes(cfg, state, checkpoints.path)}; use another "
-                              "target.path, or set on_config_change=restart (moves them aside) "
-                              "or on_config_change=resume")
+        raise _changed(cfg, state, checkpoints.path)
     if is_main():
         aside = checkpoints.path / time.strftime("superseded-%Y%m%d-%H%M%S")
         aside.mkdir()
@@ -122,10 +120,57 @@ def write_run_config(cfg, path: Path) -> None:
     atomic_write_text(path / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(data)))
 
 
-def run_record(cfg, fp: str) -> dict:
-    """What every checkpoint of this attempt records about the run besides its state."""
+def run_record(cfg, fp: str, split: tuple | None = None) -> dict:
+    """What every checkpoint of this attempt records about the run besides its state;
+    ``split``: the (fraction, seed) its validation set was carved with."""
     return {"config_fingerprint": fp,
             "run_identity": json.dumps(identity(OmegaConf.to_container(cfg, resolve=True)),
                                        default=str),
             "epochs": planned_epochs(cfg),  # compared on resume (echelon3.checkpoints.extension)
-            "selected_on": splits.selected_on(cfg.data)}
+            "selected_on": splits.selected_on(cfg.data),
+            splits.RECORD: splits.record(cfg.data, split)}
+
+
+def _changed(cfg, state: dict, folder: Path) -> CheckpointError:
+    return CheckpointError(str(folder), "holds checkpoints of a different config"
+                           f"{config_changes(cfg, state, folder)}; use another target.path, "
+                           "or set on_config_change=restart (moves them aside) or "
+                           "on_config_change=resume")
+
+
+def _state_without_tensors(path: Path) -> dict | None:
+    """A rolling checkpoint's state, its tensors memory-mapped (None: it does not load,
+    which the worker's own reading names)."""
+    source = path / "state.pt" if path.is_dir() else path
+    try:
+        state = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def refuse_changed_config(cfg, config_dir: Path | None) -> None:
+    """In the launcher, before any worker starts: the refusal a changed config gets under
+    ``on_config_change: error`` (the default), found as the worker would find it."""
+    from echelon3.checkpoints.sharded import ShardedCheckpoints
+    from echelon3.tasks import components
+    from echelon3.tasks.finetune import WarmStart
+
+    if cfg.get("on_config_change", "error") != "error" or not cfg.get("target"):
+        return
+    from echelon3.config.compose import require
+
+    require(cfg, "net", "data", "dataloaders", "loss", "optimizer", "trainer", "target",
+            task="train")  # a missing section is said as such first, as by the task
+    checkpoints = ShardedCheckpoints.like(components.build_target(cfg, config_dir), False)
+    for path in checkpoints.rolling():  # newest first: the one a resume would take
+        state = _state_without_tensors(path)
+        if state is None:
+            continue
+        if state.get("config_fingerprint") is None:
+            return  # from before fingerprints: taken as it is
+        probe = copy.deepcopy(cfg)
+        WarmStart(probe, config_dir).record(probe)  # init_from's weights join the identity
+        if state["config_fingerprint"] != fingerprint(probe):
+            raise _changed(probe, state, checkpoints.path)
+        return

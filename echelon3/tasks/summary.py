@@ -21,6 +21,7 @@ import torch
 from echelon3.checkpoints.files import BEST, KEPT_BEST, atomic_write_text
 from echelon3.data.splits import TEST, describe
 from echelon3.distributed.ranks import is_main
+from echelon3.trainers.validating import validation_epoch
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +36,14 @@ def _natural(name: str) -> list:
 
 
 def best_checkpoint(folder: Path) -> dict | None:
-    """Epoch, step, metrics of ``best.tar`` and the data that chose it (``val`` or ``test``;
-    checkpoints that do not say were chosen on the test set), tensors memory-mapped."""
+    """Of ``best.tar``: the epoch its validation belongs to (as its history record says),
+    step, metrics, and the data that chose it (``val`` or ``test``; checkpoints that do not
+    say were chosen on the test set); tensors memory-mapped."""
     path = folder / KEPT_BEST if (folder / KEPT_BEST).exists() else folder / BEST
     if not path.exists():
         return None
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return {"epoch": int(state["epoch"]), "step": int(state["global_step"]),
+    return {"epoch": validation_epoch(state), "step": int(state["global_step"]),
             "metrics": {k: float(v) for k, v in (state.get("metrics") or {}).items()},
             "selected_on": str(state.get("selected_on") or TEST)}
 

@@ -86,7 +86,8 @@ def assemble_and_fit(rc: RunConfig, device, launcher, tracker=None):
     params = warm.apply(net)  # frozen parameters: out of the optimizer and of DDP
     warm.record(cfg)  # the source weights' hash joins the run's identity
     # The data before any file is touched: a run that cannot train stops here.
-    train_set, val_sets, named = components.build_datasets(cfg, rc.config_dir)
+    split = warm.split(cfg.data, seed)  # a fine-tuned run validates on its parent's unseen
+    train_set, val_sets, named = components.build_datasets(cfg, rc.config_dir, split=split)
     train_loader, val_loaders = train_loaders(
         cfg, train_set, val_sets, named, rank=launcher.rank, world_size=launcher.world_size,
         seed=seed, config_dir=rc.config_dir)
@@ -142,7 +143,7 @@ def assemble_and_fit(rc: RunConfig, device, launcher, tracker=None):
         test_loaders=val_loaders, metrics=metrics, checkpoints=checkpoints, logger=logger,
         precision=precision, device=device, named_sets=named, resume_state=state,
         scheduler_interval=schedulers.interval(cfg),
-        extra_state=run_record(cfg, fp))
+        extra_state=run_record(cfg, fp, split))
     try:
         trainer.fit()
     finally:

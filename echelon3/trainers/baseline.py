@@ -43,6 +43,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from tqdm import tqdm  # not tqdm.auto: its asyncio variant opens every loader twice
 
+from echelon3.config.errors import blame
 from echelon3.data.batches import split_batch, to_device, weighted_loss
 from echelon3.data.rng import restore_for_rank
 from echelon3.data.samples import naming_bad_labels
@@ -131,8 +132,12 @@ class Trainer(Checkpointing, Preempting, Validation):
             inputs, target = to_device((inputs, target), self.device)
         with self.profiler.label("compute"):
             with self.precision.autocast():
-                total, parts = weighted_loss(self.losses, self.net(inputs), target,
-                                             self.float_labels)
+                try:  # a loss's error is marked with its own key first
+                    total, parts = weighted_loss(self.losses, self.net(inputs), target,
+                                                 self.float_labels)
+                except Exception as e:
+                    blame(e, "net", "training")
+                    raise
             # No extra multiply (a kernel and an autograd node) when not accumulating.
             self.precision.backward(total * scale if scale != 1 else total)
         return {"loss": total.detach(), **{k: v.detach() for k, v in parts.items()}}

@@ -3,7 +3,10 @@
 Every checkpoint holds the network (with ``trainer.config.ema``: the average as
 ``model_state_dict``, the training weights as ``training_model_state_dict``),
 optimizer, scheduler, GradScaler, early-stopping state, epoch, step, metrics and
-every rank's RNG state; a checkpoint written in the middle of an epoch adds the
+every rank's RNG state. ``epoch`` counts completed epochs (where a resume starts);
+``validated_epoch`` names the epoch the validation behind ``metrics`` belongs to, counted
+as history records count (1-based, the epoch in progress for a validation in the middle
+of one): :func:`echelon3.trainers.validating.validation_epoch` reads it. A checkpoint written in the middle of an epoch adds the
 mid-epoch parts (:mod:`echelon3.trainers.state`; written by
 :mod:`echelon3.trainers.preempting`). Mixed into the trainer, which provides the
 objects named here.
@@ -15,12 +18,16 @@ from typing import Any, Mapping
 
 from echelon3.checkpoints.files import TRAINING_WEIGHTS, strip_prefixes
 from echelon3.data.rng import rng_state
-from echelon3.distributed.ranks import all_gather_object, get_rank, get_world_size, unwrap
+from echelon3.trainers.validating import VALIDATED_EPOCH, validation_epoch
+from echelon3.distributed.ranks import (all_gather_object, broadcast_buffers_, get_rank,
+                                        get_world_size, unwrap)
 
 
 class Checkpointing:
     def state_dict(self) -> dict[str, Any]:
-        """An epoch checkpoint (a collective: every rank's RNG states are gathered)."""
+        """An epoch checkpoint (a collective: every rank's RNG states are gathered, and
+        rank 0's buffers become every rank's, so a sharded checkpoint's copy is rank 0's)."""
+        broadcast_buffers_(unwrap(self.net), tensors=self.ema.buffers() if self.ema else ())
         weights = strip_prefixes(unwrap(self.net).state_dict())
         return {
             # What evaluate, export and finetune load: the EMA weights when on.
@@ -33,6 +40,7 @@ class Checkpointing:
             "epoch": self.epoch,
             "global_step": self.global_step,
             "metrics": dict(self.last_metrics),
+            VALIDATED_EPOCH: self.validated_epoch,
             "best_metrics": dict(self.best_metrics) if self.best_metrics else None,
             "rng_state": rng_state(),  # rank 0's; every rank's below, for exact DDP resume
             "rng_states": all_gather_object(rng_state()) if get_world_size() > 1 else None,
@@ -48,6 +56,7 @@ class Checkpointing:
         self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
         self.best_metrics = state.get("best_metrics")
         self.last_metrics = dict(state.get("metrics") or {})
+        self.validated_epoch = validation_epoch(state)
         if self.ema is not None:
             self.ema.load_state_dict(state["model_state_dict"])
         if self.early is not None and state.get("early_stopping"):

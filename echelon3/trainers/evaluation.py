@@ -13,7 +13,8 @@ from typing import Mapping, Sequence
 import torch
 from tqdm import tqdm  # not tqdm.auto: its asyncio variant opens every loader twice
 
-from echelon3.data.batches import (batch_size, mapping_error, match_target, split_batch, to_device,
+from echelon3.config.errors import blame
+from echelon3.data.batches import (batch_size, match_target, raise_named, split_batch, to_device,
                                    weighted_loss)
 from echelon3.data.samples import naming_bad_labels
 from echelon3.distributed.ranks import all_reduce_sum_, is_main
@@ -45,7 +46,11 @@ def evaluate_sets(net, loaders: Mapping, metrics: Mapping, *, precision, device,
             with naming_bad_labels(batch, metrics):
                 inputs, target = to_device(split_batch(batch), device)
                 with precision.autocast():
-                    pred = net(inputs)
+                    try:
+                        pred = net(inputs)
+                    except Exception as e:
+                        blame(e, "net")
+                        raise
                     if losses:
                         total, _ = weighted_loss(losses, pred, target, float_labels)
                         loss_sum[0] += total.double() * batch_size(target)
@@ -58,7 +63,11 @@ def evaluate_sets(net, loaders: Mapping, metrics: Mapping, *, precision, device,
                 loss_sum[0] / loss_sum[1].clamp(min=1)).item()
         if with_metrics:
             for name, metric in metrics.items():
-                results[metric_name(set_name, name, named_sets)] = reduce_and_compute(metric)
+                try:
+                    results[metric_name(set_name, name, named_sets)] = reduce_and_compute(metric)
+                except Exception as e:
+                    blame(e, f"metrics.{name}")
+                    raise
     net.train(was_training)
     return results
 
@@ -76,8 +85,5 @@ def update(metrics: Mapping, pred, target) -> None:
     for name, metric in metrics.items():
         try:
             metric.update(pred, target)
-        except (TypeError, AttributeError) as e:
-            named = mapping_error(f"metrics.{name}", pred, metric, e)
-            if named is None:
-                raise
-            raise named from e
+        except Exception as e:
+            raise_named(f"metrics.{name}", pred, metric, e)

@@ -15,6 +15,7 @@ the run's lengths, e.g. ``T_max: total_steps - 500`` (:mod:`echelon3.config.arit
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,10 @@ from echelon3.config.arithmetic import with_lengths
 from echelon3.config.errors import BuildError, ConfigError
 
 INTERVALS = ("epoch", "step")
+# Arguments that give a schedule's length, in the unit of its interval.
+LENGTH_ARGS = ("T_max", "total_iters", "total_steps")
+FAR = 4  # a schedule this many times shorter or longer than the run is in the wrong unit?
+log = logging.getLogger(__name__)
 
 
 def interval(cfg) -> str:
@@ -33,6 +38,32 @@ def interval(cfg) -> str:
     return value
 
 
+def lengths(spec: Any, key: str = "scheduler") -> list[tuple[str, int]]:
+    """(config key, value) of every schedule length in a scheduler (nested ones included;
+    one per scheduler: the phases of a ``SequentialLR`` add up)."""
+    if not isinstance(spec, dict):
+        return []
+    config = spec.get("config") or {}
+    found = [(f"{key}.config.{name}", config[name]) for name in LENGTH_ARGS
+             if isinstance(config.get(name), int) and not isinstance(config[name], bool)][:1]
+    for i, inner in enumerate(config.get("schedulers") or []):
+        found += lengths(inner, f"{key}.config.schedulers[{i}]")
+    return found
+
+
+def check_unit(spec: dict, unit: str, run: int) -> None:
+    """Warn when the schedule's length is far from the run's (``interval: step`` with a
+    length counted in epochs, or the other way round)."""
+    found = lengths(spec)
+    total = sum(value for _, value in found)
+    if not found or run <= 0 or run / FAR <= total <= run * FAR:
+        return
+    keys = " + ".join(key for key, _ in found)
+    log.warning("%s: the schedule lasts %d %ss but the run has %d (scheduler.interval: %s); "
+                "is the length counted in %ss?", keys, total, unit, run, unit,
+                "epoch" if unit == "step" else "step")
+
+
 def build(cfg, optimizer, config_dir: Path | None = None, steps_per_epoch: int = 1,
           epochs: int = 1):
     """The configured scheduler on ``optimizer`` (None without a ``scheduler`` section)."""
@@ -41,8 +72,9 @@ def build(cfg, optimizer, config_dir: Path | None = None, steps_per_epoch: int =
     node = cfg.get("scheduler")
     if node is None:
         return None
-    interval(cfg)
+    unit = interval(cfg)
     spec = with_lengths(node, steps_per_epoch, epochs)
+    check_unit(spec, unit, steps_per_epoch * epochs if unit == "step" else epochs)
     spec.pop("interval", None)
     spec["config"] = dict(spec.get("config") or {})
     nested = spec["config"].pop("schedulers", None)

@@ -2,9 +2,13 @@
 weights equal an uninterrupted run's, ``target.path`` holds no torn or temporary file, no
 process of the run survives and no shared-memory segment of it is left in /dev/shm.
 
-Instants are drawn with a fixed seed among three kinds: during start-up (a fixed number of
-seconds in), after the k-th history record (plus a fraction of a second), and in the middle
-of a checkpoint write (made to last DELAY seconds by slow_fsync/). While a run is alive (at
+Instants are drawn with a fixed seed among three kinds, each planned from the run's observed
+progress, never from a clock: during start-up (once the process runs, or after its j-th line
+of output, plus at most SLACK seconds), after the k-th history record (plus at most SLACK
+seconds), and in the middle of a checkpoint write (made to last DELAY seconds by
+slow_fsync/). After each of those events the run has work left that outlasts SLACK (epochs
+to train; DELAY > SLACK in every later checkpoint write), so a strike lands on a live run
+however slow or loaded the machine (tools/run_slow_tests.sh runs it under a CPU hog). While a run is alive (at
 a history record or a checkpoint write) a second claim on its folder must be refused,
 naming one of the run's processes: the launcher with the built-in one, rank 0 under torchrun.
 """
@@ -12,6 +16,7 @@ naming one of the run's processes: the launcher with the built-in one, rank 0 un
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from collections import Counter
@@ -29,26 +34,31 @@ SEED = 20261130
 EPOCHS = 3
 RECORDS = EPOCHS * 4  # 3 train records (every 2 of 6 steps) and 1 validation per epoch
 MODES = {"single": 16, "builtin": 2, "torchrun": 2}  # trials per launcher
+DEFAULT_SINGLE = 10  # single-process trials in the default run; the slow set runs all 16
 TIMEOUT = 240
+SLACK = 0.2  # the most a strike waits after its event (< DELAY)
+STARTUP_LINES = 2  # lines every launcher prints before the first step
+
+
+def _plan(rng: random.Random, trial: int) -> list[tuple]:
+    kills = []
+    for _ in range(2 if trial % 3 == 2 else 1):  # every third trial is killed twice
+        kind = rng.choice(["startup", "records", "records", "write", "write"])
+        if kind == "startup":
+            kills.append(("startup", rng.randint(0, STARTUP_LINES),
+                          round(rng.uniform(0, SLACK), 2)))
+        elif kind == "records":
+            kills.append(("records", rng.randint(1, RECORDS - 2),
+                          round(rng.uniform(0, SLACK), 2)))
+        else:
+            kills.append(("write", round(rng.uniform(0.05, 0.9) * DELAY, 3)))
+    return kills
 
 
 def _plans() -> list[tuple[str, int, list[tuple]]]:
     rng = random.Random(SEED)
-    plans = []
-    for mode, count in MODES.items():
-        for trial in range(count):
-            kills = []
-            for _ in range(2 if trial % 3 == 2 else 1):  # every third trial is killed twice
-                kind = rng.choice(["startup", "records", "records", "write", "write"])
-                if kind == "startup":
-                    kills.append(("startup", round(rng.uniform(0.1, 2.5), 2)))
-                elif kind == "records":
-                    kills.append(("records", rng.randint(1, RECORDS - 1),
-                                  round(rng.uniform(0, 0.3), 2)))
-                else:
-                    kills.append(("write", round(rng.uniform(0.05, 0.9) * DELAY, 3)))
-            plans.append((mode, trial, kills))
-    return plans
+    return [(mode, trial, _plan(rng, trial))
+            for mode, count in MODES.items() for trial in range(count)]
 
 
 def _config(folder: Path, mode: str) -> Path:
@@ -117,7 +127,8 @@ def _strike(run: Run, out: Path, plan: tuple) -> tuple[bool, bool | None]:
     kind, *args = plan
     refused = None
     if kind == "startup":
-        hit = _wait_until(run, lambda: time.monotonic() - run.started >= args[0])
+        hit = _wait_until(run, lambda: len(run.output().splitlines()) >= args[0])
+        time.sleep(args[1])
     elif kind == "records":
         hit = _wait_until(run, lambda: _history_lines(out) >= args[0])
         refused = _probe_lock(run, out) if hit else None
@@ -142,8 +153,14 @@ def _check_folder(out: Path) -> None:
         json.loads(line)
 
 
-@pytest.mark.parametrize("mode, trial, plan", _plans(),
-                         ids=[f"{m}-{t}" for m, t, _ in _plans()])
+def _params():
+    return [pytest.param(mode, trial, plan, id=f"{mode}-{trial}",
+                         marks=[pytest.mark.slow] if mode == "single" and
+                         trial >= DEFAULT_SINGLE else [])
+            for mode, trial, plan in _plans()]
+
+
+@pytest.mark.parametrize("mode, trial, plan", _params())
 def test_killed_at_random_instants_then_rerun(tmp_path, ctx, references, ledger, mode, trial,
                                               plan):
     out = _config(tmp_path, mode)
@@ -181,3 +198,38 @@ def test_killed_at_random_instants_then_rerun(tmp_path, ctx, references, ledger,
     if refusals:
         ledger("two runs, one target: refused at once; a dead run's lock taken over",
                trials=refusals, faults=refusals)
+
+
+def _hog(stop) -> None:
+    while not stop.is_set():
+        sum(i * i for i in range(10_000))
+
+
+@pytest.mark.slow
+def test_every_planned_strike_lands_on_a_live_run_under_a_cpu_hog(tmp_path, ctx):
+    """The test of the test: 20 plans of the kinds above, each struck at a run while a busy
+    loop holds every core; none may come after the run's end."""
+    import multiprocessing
+
+    stop = multiprocessing.Event()
+    hogs = [multiprocessing.Process(target=_hog, args=(stop,), daemon=True)
+            for _ in range(os.cpu_count() or 2)]
+    for hog in hogs:
+        hog.start()
+    rng = random.Random(SEED + 1)
+    missed = []
+    try:
+        for trial in range(20):
+            folder = tmp_path / f"trial-{trial}"
+            out = _config(folder, "single")
+            strike = _plan(rng, 0)[0]
+            run = Run("single", folder, folder / "log.txt", ctx)
+            killed, _ = _strike(run, out, strike)
+            run.wait(TIMEOUT)
+            if not killed:
+                missed.append(strike)
+    finally:
+        stop.set()
+        for hog in hogs:
+            hog.join(10)
+    assert not missed, f"struck after the run's end: {missed}"

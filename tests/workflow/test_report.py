@@ -11,6 +11,7 @@ import warnings
 import matplotlib
 import pandas as pd
 import pytest
+import yaml
 
 from tests.workflow.helpers import REPO, copy_finished, snakemake
 
@@ -38,6 +39,37 @@ def test_leaderboard_ranking_options(tmp_path):
     with pytest.raises(ValueError, match="leaderboard.metric: 'f1' is in no metrics.json"):
         report.leaderboard(experiments, files, "f1", True)
 
+
+
+def test_runs_on_other_test_data_or_metrics_are_ranked_apart_and_missing_is_blank(tmp_path):
+    """Two 10-class digits runs and a binary one, each folder with its config.yaml: the
+    binary run is not ranked among the others; a metric a run lacks is a blank cell."""
+    digits = {"module": "echelon3.datasets.digits", "type": "Digits",
+              "config": {"split": "test"}}
+    ten = [{"accuracy": {"module": "torchmetrics.classification", "type": "MulticlassAccuracy",
+                         "config": {"num_classes": 10}}}]
+    two = [{"accuracy": {"module": "torchmetrics.classification", "type": "BinaryAccuracy"}}]
+    runs = {"mlp": (ten, {"accuracy": 0.95, "loss": 0.2}), "cnn": (ten, {"accuracy": 0.97}),
+            "parity": (two, {"accuracy": 0.99, "loss": 0.1})}
+    experiments, files = {}, []
+    for name, (metrics, scores) in runs.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.yaml").write_text(yaml.safe_dump({"data": {"test": digits},
+                                                            "metrics": metrics}))
+        files.append(folder / "metrics.json")
+        files[-1].write_text(json.dumps(scores))
+        experiments[name] = {"config": name, "overrides": []}
+    table, ranking, _ = report.leaderboard(experiments, files, "accuracy", True)
+    assert list(zip(table["group"], table["rank"], table["experiment"])) == [
+        (1, 1, "cnn"), (1, 2, "mlp"), (2, 1, "parity")]  # 0.99 is not above the digits runs
+    md = report.markdown(report.rounded(table, report.TABLE_DECIMALS), ranking, True)
+    assert "nan" not in md
+    first, second = md.split("## Group 2: ")
+    assert "## Group 1: test data Digits(split=test); metrics accuracy: " \
+           "MulticlassAccuracy(num_classes=10)" in first and "BinaryAccuracy()" in second
+    cnn = next(line for line in first.splitlines() if "| cnn " in line)
+    assert cnn.rstrip().endswith("|") and cnn.split("|")[-2].strip() == ""  # no loss: blank
 
 def test_leaderboard_keeps_the_selection_score_and_the_test_score_apart(tmp_path):
     """`val <metric>` is best.tar's score on the data that chose it (summary.json), empty
@@ -116,6 +148,31 @@ def test_learning_curves_put_losses_and_metrics_on_labelled_axes_and_mark_the_be
     assert accuracy.get_marker() != f1.get_marker()  # one does not hide the other
     assert "lower is better" in loss_ax.get_title()
     assert metric_ax.get_title() == "validation metrics"
+
+
+def test_a_validation_in_the_middle_of_an_epoch_sits_there_and_so_does_its_best():
+    """Two validations an epoch (steps 2 and 4 of 4): the first of epoch 2 sits at 1.5, and
+    a best.tar it chose is marked there, labelled with the epoch its record names."""
+    records = []
+    for epoch in (1, 2, 3):
+        for step in (1, 2, 3, 4):
+            at = (epoch - 1) * 4 + step
+            records.append({"split": "train", "epoch": epoch, "step": at, "loss": 1 / at})
+            if step % 2 == 0:
+                records.append({"split": "val", "epoch": epoch, "step": at, "loss": 1 / at,
+                                "accuracy": at / 20})
+    fig = report_plots.draw_curves("exp", records, best_epoch=2, best_step=6)
+    loss_ax, metric_ax = fig.axes
+    lines = {line.get_label(): line for line in metric_ax.lines}
+    assert list(lines["accuracy"].get_xdata()) == [0.5, 1, 1.5, 2, 2.5, 3]
+    assert list(lines["best.tar: epoch 2"].get_xdata()) == [1.5, 1.5]
+    child = [{"split": "val", "epoch": 1, "step": 4, "loss": 0.1, "accuracy": 0.99}]
+    fig = report_plots.draw_curves("ft", child, best_epoch=1, best_step=4,
+                                   parent=("base", records, {"epoch": 2, "step": 6}))
+    lines = {line.get_label(): line for line in fig.axes[1].lines}
+    assert list(lines["fine-tuning starts (base best.tar)"].get_xdata()) == [1.5, 1.5]
+    assert list(lines["base: accuracy"].get_xdata()) == [0.5, 1, 1.5]  # up to its best.tar
+    assert list(lines["accuracy"].get_xdata()) == [2.5]
 
 
 def test_curves_of_a_run_selected_on_the_test_set_say_test():

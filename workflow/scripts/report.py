@@ -29,6 +29,7 @@ log = logging.getLogger("report")
 SELECTED_ON = "selected_on"  # metrics.json and summary.json: "val" or "test"
 TABLE_DECIMALS = 4  # Markdown, HTML and the console
 CSV_DECIMALS = 6  # float32 noise (1.0000001192092896) is not a digit worth keeping
+GROUP = "group"  # runs ranked together: the same test data and metrics
 LABELS = ("experiment", "config", "overrides", "model", SELECTED_ON, MLFLOW)
 
 
@@ -100,8 +101,42 @@ def read_history(path):
     return records
 
 
+def _call(spec):
+    """`Type(key=value, ...)` of a {module, type, config} entry."""
+    if not isinstance(spec, dict) or "type" not in spec:
+        return json.dumps(spec, sort_keys=True, default=str)
+    args = ", ".join(f"{k}={v}" for k, v in sorted((spec.get("config") or {}).items()))
+    return f"{spec['type']}({args})"
+
+
+def comparable(metrics_path):
+    """What a run's test numbers are comparable on, from the config.yaml beside them: its
+    test data and its metrics (None when the run folder has no config.yaml)."""
+    path = Path(metrics_path).parent / "config.yaml"
+    if not path.is_file():
+        return None
+    try:
+        import yaml
+
+        cfg = yaml.safe_load(path.read_text()) or {}
+    except Exception:
+        return None
+    test = (cfg.get("data") or {}).get("test")
+    sets = {"": test} if isinstance(test, dict) and "type" in test else (test or {})
+    data = "; ".join(f"{name}: {_call(s)}" if name else _call(s) for name, s in
+                     (sets.items() if isinstance(sets, dict) else []))
+    entries = cfg.get("metrics") or []
+    entries = entries.items() if isinstance(entries, dict) else \
+        [kv for item in entries if isinstance(item, dict) for kv in item.items()]
+    metrics = ", ".join(f"{name}: {_call(s)}" for name, s in entries)
+    return f"test data {data or 'none'}; metrics {metrics or 'none'}"
+
+
 def leaderboard(experiments, metric_files, metric, higher_is_better, summary_files=None):
-    """(table ranked best first, the ranking column, the test metric columns)."""
+    """(table ranked best first, the ranking column, the test metric columns). Runs scored
+    on other test data or other metrics (a 10-class run beside a binary one) are not
+    ranked together: a `group` column numbers the comparable sets, largest first, and the
+    rank restarts in each."""
     summaries = summary_files or [None] * len(metric_files)
     rows, bests = [], []
     for (name, spec), path, summary in zip(experiments.items(), metric_files, summaries):
@@ -138,9 +173,18 @@ def leaderboard(experiments, metric_files, metric, higher_is_better, summary_fil
     table.insert(table.columns.get_loc(SELECTED_ON) + 1, val_column(metric),
                  [float("nan") if v is None else float(v) for v in val])
     ranking = test_column(metric)
+    kinds = [comparable(path) for path in metric_files]
+    sizes = {kind: kinds.count(kind) for kind in kinds}
+    order = sorted(dict.fromkeys(kinds), key=lambda kind: -sizes[kind])  # stable: first seen
     table = table.sort_values(ranking, ascending=not higher_is_better, kind="stable",
                               na_position="last")
-    table.insert(0, "rank", range(1, len(table) + 1))
+    if len(order) > 1:
+        table.insert(0, GROUP, [order.index(kinds[i]) + 1 for i in table.index])
+        table.attrs[GROUP] = {g + 1: kind or "no config.yaml" for g, kind in enumerate(order)}
+        table = table.sort_values(GROUP, kind="stable")
+        table.insert(0, "rank", table.groupby(GROUP).cumcount() + 1)
+    else:
+        table.insert(0, "rank", range(1, len(table) + 1))
     return table.reset_index(drop=True), ranking, columns
 
 
@@ -148,6 +192,9 @@ def note(table):
     """What the page says about the data behind the numbers."""
     text = ("`test` columns: `echelon3 evaluate` of each run's best.tar on the test set; "
             "`val`: best.tar's score on the validation data that chose it.")
+    if GROUP in table.columns:
+        text += (" Runs scored on other test data or with other metrics are ranked apart, "
+                 "each group on its own.")
     on_test = list(table.loc[table[SELECTED_ON] == "test", "experiment"])
     if on_test:
         text += (f" Selected on the test set (no validation data, so their test scores "
@@ -171,8 +218,17 @@ def markdown(table, metric, higher_is_better, folder="results"):
     if MLFLOW in table.columns:
         table = table.assign(**{MLFLOW: [f"[run]({u})" if isinstance(u, str) else ""
                                          for u in table[MLFLOW]]})
-    body = table.to_markdown(index=False, floatfmt=f".{TABLE_DECIMALS}f")
-    return f"# Leaderboard\n\nRanked by `{metric}`, {order} first.\n\n{note(table)}\n\n{body}\n"
+    def body(rows):  # a run without a metric shows a blank cell, not nan
+        rows = rows.astype(object).where(rows.notna(), None)
+        return rows.to_markdown(index=False, floatfmt=f".{TABLE_DECIMALS}f", missingval="")
+
+    head = f"# Leaderboard\n\nRanked by `{metric}`, {order} first.\n\n{note(table)}\n"
+    if GROUP not in table.columns:
+        return f"{head}\n{body(table)}\n"
+    groups = table.attrs.get(GROUP, {})
+    parts = [f"\n## Group {g}: {groups.get(g, '')}\n\n{body(rows.drop(columns=GROUP))}\n"
+             for g, rows in table.groupby(GROUP, sort=True)]
+    return head + "".join(parts)
 
 
 HTML = """<!DOCTYPE html>
@@ -230,7 +286,7 @@ def main(smk):
         parent = parents.get(name)
         chain = (parent, *runs[parent]) if parent in runs else None
         save(draw_curves(name, records, best.get("epoch"), best.get(SELECTED_ON, "test"),
-                         parent=chain), png)
+                         parent=chain, best_step=best.get("step")), png)
     log_curves([read_run(s) for s in smk.input.summaries], smk.output.curves)
     save(draw_metrics(table, columns, ranking, higher), smk.output.bars)
     for (name, sweep), png in zip(smk.params.sweeps.items(), smk.output.sweeps):

@@ -25,23 +25,34 @@ def _is_loss(key):
     return key == "loss" or key.endswith("/loss")
 
 
-def _train_points(train):
-    """(fractional epoch, loss) of each train record: the last step of epoch e sits at e."""
+def _epoch_ends(records):
+    """The last step of each epoch, from its records."""
     ends = {}
-    for r in train:
-        ends[r["epoch"]] = max(ends.get(r["epoch"], 0), r["step"])
-    points = []
-    for r in train:
-        start = ends.get(r["epoch"] - 1, 0)
-        span = max(ends[r["epoch"]] - start, 1)
-        points.append((r["epoch"] - 1 + (r["step"] - start) / span, r["loss"]))
-    return points
+    for r in records:
+        if "epoch" in r and "step" in r:
+            ends[r["epoch"]] = max(ends.get(r["epoch"], 0), r["step"])
+    return ends
 
 
-def _mark_best(ax, best_epoch, offset=0):
+def _at(epoch, step, ends):
+    """Where a record of ``epoch`` (1-based, as records count) at ``step`` sits on the epoch
+    axis: the last step of epoch e at e, a validation in the middle of epoch 2 between 1
+    and 2; its epoch when the step is not known."""
+    if step is None or epoch not in ends:
+        return epoch
+    start = ends.get(epoch - 1, 0)
+    return epoch - 1 + (step - start) / max(ends[epoch] - start, 1)
+
+
+def _train_points(train, ends):
+    """(fractional epoch, loss) of each train record."""
+    return [(_at(r["epoch"], r["step"], ends), r["loss"]) for r in train]
+
+
+def _mark_best(ax, best_epoch, at, offset=0):
     if best_epoch is None:
         return
-    ax.axvline(best_epoch + offset, color="tab:red", ls="--", lw=1, alpha=0.8,
+    ax.axvline(at + offset, color="tab:red", ls="--", lw=1, alpha=0.8,
                label=f"best.tar: epoch {best_epoch}")
 
 
@@ -80,14 +91,19 @@ def _draw_parent(loss_ax, metric_ax, parent):
     if parent is None:
         return 0
     name, records, best = parent
-    start = best.get("epoch")
-    if start is None:
+    if best.get("epoch") is None:
         return 0
-    train, val, keys = _split([r for r in records if r.get("epoch", 0) <= start])
+    ends = _epoch_ends(records)
+    start = _at(best["epoch"], best.get("step"), ends)
+    kept = [r for r in records if r.get("epoch", 0) <= best["epoch"]
+            and (best.get("step") is None or r.get("step", 0) <= best["step"])]
+    train, val, keys = _split(kept)
     if train:
-        loss_ax.plot(*zip(*_train_points(train)), lw=1, color="0.6", label=f"{name}: train")
+        loss_ax.plot(*zip(*_train_points(train, ends)), lw=1, color="0.6",
+                     label=f"{name}: train")
     for key in keys:
-        points = [(r["epoch"], r[key]) for r in val if isinstance(r.get(key), (int, float))]
+        points = [(_at(r["epoch"], r.get("step"), ends), r[key]) for r in val
+                  if isinstance(r.get(key), (int, float))]
         if points:
             ax = loss_ax if _is_loss(key) else metric_ax
             ax.plot(*zip(*points), marker=".", ls=":", color="0.5", alpha=0.8,
@@ -103,21 +119,23 @@ def save(fig, path):
     plt.close(fig)
 
 
-def draw_curves(name, records, best_epoch, selected_on="val", parent=None):
-    """Losses (train, running mean per logged step; validation per epoch) on the left,
-    validation metrics on the right, each on its own labelled axis; the epoch of
-    best.tar marked on both. `selected_on: test`: the curves say test, not validation.
-    `parent`: (name, records, summary's best) of the run this one was fine-tuned from."""
+def draw_curves(name, records, best_epoch, selected_on="val", parent=None, best_step=None):
+    """Losses (train, running mean per logged step; validation at its step) on the left,
+    validation metrics on the right, each on its own labelled axis; best.tar (summary's
+    best epoch and step) marked on both. `selected_on: test`: the curves say test, not
+    validation. `parent`: (name, records, summary's best) of the run this one was
+    fine-tuned from."""
     train, val, keys = _split(records)
+    ends = _epoch_ends(records)
     data = "validation" if selected_on == "val" else "test"
     fig, (loss_ax, metric_ax) = plt.subplots(1, 2, figsize=(11, 4))
     offset = _draw_parent(loss_ax, metric_ax, parent)
     if train:
-        xs, ys = zip(*_train_points(train))
+        xs, ys = zip(*_train_points(train, ends))
         loss_ax.plot([x + offset for x in xs], ys, lw=1, alpha=0.7, label="train")
     shown = {loss_ax: [], metric_ax: []}
     for i, key in enumerate(keys):
-        points = [(r["epoch"] + offset, r[key]) for r in val
+        points = [(_at(r["epoch"], r.get("step"), ends) + offset, r[key]) for r in val
                   if isinstance(r.get(key), (int, float))]
         if not points:
             continue
@@ -133,7 +151,7 @@ def draw_curves(name, records, best_epoch, selected_on="val", parent=None):
                 ax.annotate(f"{v:.4f}", (x, v), xytext=(0, 6 if above else -12),
                             textcoords="offset points", ha="center", fontsize="x-small")
     for ax in (loss_ax, metric_ax):
-        _mark_best(ax, best_epoch, offset)
+        _mark_best(ax, best_epoch, _at(best_epoch, best_step, ends), offset)
         if offset == 0:
             _keep_span(ax, shown[ax])
     xlabel = f"epoch ({parent[0]}, then {name})" if offset else "epoch"
