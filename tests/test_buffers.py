@@ -62,3 +62,15 @@ def test_the_epoch_checkpoint_holds_best_tars_buffers(trained, tmp_path):
     assert buffers, sorted(best)
     for key in buffers:
         assert torch.equal(saved[key], best[key]), key
+
+
+def test_the_averages_buffers_come_in_the_same_order_on_every_rank():
+    """They are broadcast one by one, so their order must not depend on the process (a set
+    of names would follow each process's string hashing)."""
+    from echelon3.trainers.ema import EMA
+
+    net = torch.nn.Sequential(*(torch.nn.BatchNorm1d(4) for _ in range(5)))
+    ema = EMA(net, {"decay": 0.9})
+    names = [name for name in net.state_dict() if name in dict(net.named_buffers())]
+    assert len(names) == 15
+    assert [id(t) for t in ema.buffers()] == [id(ema.average[name]) for name in names]

@@ -61,7 +61,9 @@ class EMA:
         self.net = net
         live = net.state_dict(keep_vars=True)  # parameters and buffers, by name
         self.average = {name: t.detach().clone() for name, t in live.items()}
-        self.buffer_names = {name for name, _ in net.named_buffers()}
+        buffers = {name for name, _ in net.named_buffers()}
+        # in the state's order, which every rank shares (they are broadcast in it)
+        self._buffers = [t for name, t in self.average.items() if name in buffers]
         # The pairs (average, weights) are set once, as local tensors (a DTensor's shard):
         # the weights are updated in place.
         pairs = [(_local(self.average[name]), _local(t.detach())) for name, t in live.items()]
@@ -83,7 +85,7 @@ class EMA:
 
     def buffers(self) -> list[torch.Tensor]:
         """The averaged buffers (rank 0's become every rank's before a checkpoint)."""
-        return [self.average[name] for name in self.buffer_names]
+        return list(self._buffers)
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[torch.nn.Module]:
