@@ -136,7 +136,8 @@ def _execute(args) -> None:
         loaders.check_batch_sizes(rc.cfg.get("dataloaders"), plan.world_size)
         check_specs(rc.cfg, rc.config_dir, skip=OTHER_TASKS_ONLY[args.command],
                     consumed=consumed)
-        _refuse_early(args.command, rc)
+        if plan.spawn > 1:  # in one process the task itself refuses as early
+            _refuse_early(args.command, rc)
         held.enter_context(lock.for_launch(args.command, rc.cfg))
 
     with held:
@@ -144,7 +145,7 @@ def _execute(args) -> None:
 
 
 def _refuse_early(command: str, rc) -> None:
-    """A refusal a worker would make that the launcher can see: before anything spawns.
+    """A refusal the workers would make that the launcher can see: before any spawns.
     (``evaluate`` of a run with no checkpoint is left to the task, which reports a config
     mistake first.)"""
     if command in ("train", "finetune"):
