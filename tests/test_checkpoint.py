@@ -18,7 +18,7 @@ import torch
 
 from echelon3.checkpoints import files as ckpt
 from echelon3.checkpoints.files import CheckpointManager, atomic_save, strip_prefixes
-from echelon3.config.errors import CheckpointError, WriteError
+from echelon3.config.errors import CheckpointError, ConfigError, WriteError
 from tests.helpers import (assert_same_tensors, echelon3, history, load, make_trainer, target,
                            write_config)
 
@@ -399,7 +399,7 @@ def test_retention_keeps_the_newest_n_by_epoch_number(tmp_path):
     for epoch in (8, 9, 10):
         one.save_checkpoint(_state(float(epoch), 4), epoch)
     assert [p.name for p in one.rolling()] == ["checkpoint-10.tar"]
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="target.checkpoints_to_keep"):
         CheckpointManager(tmp_path, checkpoints_to_keep=0)
 
 

@@ -1,8 +1,9 @@
-"""Extending a run: ``trainer.config.epochs`` changed on resume while the schedule has a length.
+"""Extending a run: ``trainer.config.epochs`` (or ``max_steps``) changed on resume while the
+schedule has a length.
 
 A resumed scheduler keeps the state it was saved with, so a cosine schedule of
 ``T_max: 10`` extended to 160 epochs turns cyclic, and a ``OneCycleLR`` runs past its
-end. Every checkpoint records the ``epochs`` it was trained for; when a resume asks
+end. Every checkpoint records the ``epochs`` and ``max_steps`` it was trained for; when a resume asks
 for another number and the scheduler has a length (an argument named in
 ``LENGTH_ARGUMENTS``, anywhere in ``scheduler``, or any value interpolated from
 ``trainer.config.epochs``), the run stops with one line naming the two ways on: a new
@@ -26,7 +27,8 @@ CHOICES = (None, KEEP_SCHEDULE)
 LENGTH_ARGUMENTS = ("T_max", "total_steps", "total_iters", "epochs")
 EPOCHS_KEY = "trainer.config.epochs"
 # The run's own lengths a scheduler argument may name (echelon3.trainers.schedulers).
-RUN_LENGTHS = re.compile(r"\b(epochs|total_steps)\b")
+RUN_LENGTHS = re.compile(r"\b(epochs|total_steps|max_steps)\b")
+MAX_STEPS_KEY = "trainer.config.max_steps"
 DEFAULT_EPOCHS = 10  # the built-in Trainer's
 
 
@@ -35,10 +37,18 @@ def check_extend(value: Any) -> None:
         raise ConfigError(KEY, f"must be null or {KEEP_SCHEDULE}, got {value!r}")
 
 
-def planned_epochs(cfg) -> int:
-    """``trainer.config.epochs`` of this attempt."""
+def planned_epochs(cfg) -> int | None:
+    """``trainer.config.epochs`` of this attempt (None: a run counted in steps only)."""
     trainer = (cfg.get("trainer") or {}).get("config") or {}
-    return int(trainer.get("epochs", DEFAULT_EPOCHS))
+    epochs = trainer.get("epochs", DEFAULT_EPOCHS)
+    return None if epochs is None else int(epochs)
+
+
+def planned_max_steps(cfg) -> int | None:
+    """``trainer.config.max_steps`` of this attempt (None: no step limit)."""
+    trainer = (cfg.get("trainer") or {}).get("config") or {}
+    steps = trainer.get("max_steps")
+    return None if steps is None else int(steps)
 
 
 def _length_settings(node: Any, key: str):
@@ -52,7 +62,8 @@ def _length_settings(node: Any, key: str):
     elif isinstance(node, list):
         for i, v in enumerate(node):
             yield from _length_settings(v, f"{key}[{i}]")
-    elif isinstance(node, str) and (EPOCHS_KEY in node or RUN_LENGTHS.search(node)):
+    elif isinstance(node, str) and (EPOCHS_KEY in node or MAX_STEPS_KEY in node
+                                     or RUN_LENGTHS.search(node)):
         yield f"{key} ({node})"
 
 
@@ -67,16 +78,19 @@ def schedule_lengths(cfg) -> list[str]:
 
 
 def check_extension(cfg, state: Mapping[str, Any], extend: Any) -> None:
-    """Refuse to resume ``state`` with another number of epochs when the schedule has a
-    length, unless ``trainer.config.extend: keep_schedule``."""
-    recorded = state.get("epochs")
-    epochs = planned_epochs(cfg)
-    if recorded is None or int(recorded) == epochs or extend == KEEP_SCHEDULE:
+    """Refuse to resume ``state`` with another number of epochs (or ``max_steps``) when the
+    schedule has a length, unless ``trainer.config.extend: keep_schedule``."""
+    changed = [(key, old, new) for key, old, new in (
+        (EPOCHS_KEY, state.get("epochs", "unrecorded"), planned_epochs(cfg)),
+        (MAX_STEPS_KEY, state.get("max_steps", "unrecorded"), planned_max_steps(cfg)))
+        if old != "unrecorded" and old != new]
+    if not changed or extend == KEEP_SCHEDULE:
         return
     lengths = schedule_lengths(cfg)
     if not lengths:
         return
-    raise ConfigError(EPOCHS_KEY, f"changed from {int(recorded)} to {epochs} on resume, but "
+    key, old, new = changed[0]
+    raise ConfigError(key, f"changed from {old} to {new} on resume, but "
                       f"the learning-rate schedule's length ({', '.join(lengths)}) was set for "
                       f"the old run and a resumed scheduler keeps it; start a new run from "
                       f"this one's weights (init_from, another target.path), or set {KEY}="

@@ -5,9 +5,12 @@ A checkpoint is data only (tensors and plain Python types), so it loads with
 without running it. Files under ``target.path``:
 
 - ``checkpoint-<epoch>.tar``  rolling, ``epoch`` = completed epochs, newest N kept;
-- ``checkpoint-<epoch>-step<step>.tar``  written on preemption part-way through epoch
-                              ``epoch + 1`` at global step ``step``; resume takes it like
-                              any rolling checkpoint, the next full one replaces it;
+- ``checkpoint-<epoch>-step<step>.tar``  written part-way through epoch ``epoch + 1`` at
+                              global step ``step``: on preemption, every
+                              ``target.every_n_steps`` steps (the newest
+                              ``step_checkpoints_to_keep`` kept), or where ``max_steps``
+                              ends the run; resume takes it like any rolling checkpoint,
+                              the next full one replaces it;
 - ``best.tar``                the keep-best winner, a stable name for downstream rules.
 """
 
@@ -16,13 +19,15 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import IO, Any, Callable
 
 import torch
 
-from echelon3.config.errors import CheckpointError, write_error
+from echelon3.checkpoints import aside
+from echelon3.config.errors import CheckpointError, ConfigError, write_error
 from echelon3.distributed.ranks import is_main
 
 log = logging.getLogger(__name__)
@@ -70,6 +75,14 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint, a file or a (sharded) folder."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
@@ -144,11 +157,24 @@ def load_weights(net, state: dict[str, Any], source: str | os.PathLike) -> None:
 class CheckpointManager:
     """Owns ``target.path``: rolling checkpoints, ``best.tar``, retention and resume."""
 
-    def __init__(self, path: str | os.PathLike, checkpoints_to_keep: int = 2):
-        if int(checkpoints_to_keep) < 1:
-            raise ValueError("checkpoints_to_keep must be at least 1")
+    def __init__(self, path: str | os.PathLike, checkpoints_to_keep: int = 2,
+                 every_n_steps: int | None = None, every_n_minutes: float | None = None,
+                 step_checkpoints_to_keep: int = 1):
+        for key, value in (("checkpoints_to_keep", checkpoints_to_keep),
+                           ("step_checkpoints_to_keep", step_checkpoints_to_keep)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"target.{key}", f"must be an integer >= 1, got {value!r}")
         self.path = Path(path)
         self.checkpoints_to_keep = int(checkpoints_to_keep)
+        # When the trainer writes step checkpoints (echelon3.trainers.step_checkpoints).
+        self.every_n_steps, self.every_n_minutes = every_n_steps, every_n_minutes
+        self.step_checkpoints_to_keep = int(step_checkpoints_to_keep)
+
+    def settings(self) -> dict[str, Any]:
+        """The constructor's arguments but ``path`` (what a manager of another kind copies)."""
+        return {"checkpoints_to_keep": self.checkpoints_to_keep,
+                "every_n_steps": self.every_n_steps, "every_n_minutes": self.every_n_minutes,
+                "step_checkpoints_to_keep": self.step_checkpoints_to_keep}
 
     def rolling(self) -> list[Path]:
         """Rolling checkpoints, newest first."""
@@ -168,6 +194,7 @@ class CheckpointManager:
             return
         path = self.path / f"checkpoint-{epoch}.tar"
         atomic_save(state, path)
+        aside.drop_passed(self.path, path)
         if best:
             self._link_best(path)
         for old in self.rolling():  # mid-epoch ones are superseded by a full epoch
@@ -182,6 +209,17 @@ class CheckpointManager:
         path = self.path / f"checkpoint-{state['epoch']}-step{state['global_step']}.tar"
         if is_main():
             atomic_save(state, path)
+        return path
+
+    def save_step(self, state: dict[str, Any]) -> Path:
+        """A rolling mid-epoch checkpoint (as :meth:`save_preempted`), then retention: the
+        newest ``step_checkpoints_to_keep`` mid-epoch ones stay."""
+        path = self.save_preempted(state)
+        if is_main():
+            aside.drop_passed(self.path, path)
+            for old in [p for p in self.rolling() if "-step" in p.name][
+                    self.step_checkpoints_to_keep:]:
+                remove(old)
         return path
 
     def save_best(self, state: dict[str, Any]) -> None:

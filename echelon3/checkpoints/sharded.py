@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from echelon3.checkpoints import aside
 from echelon3.checkpoints.consolidate import consolidated
 from echelon3.checkpoints.files import KEPT_BEST, CheckpointManager, atomic_save
 from echelon3.config.errors import CheckpointError, write_error
@@ -61,13 +62,13 @@ class ShardedCheckpoints(CheckpointManager):
     """A :class:`CheckpointManager` that writes resume state sharded (``sharded=True``)
     and reads both layouts. :meth:`attach` gives it the network and the optimizer."""
 
-    def __init__(self, path, checkpoints_to_keep: int = 2, sharded: bool = True):
-        super().__init__(path, checkpoints_to_keep)
+    def __init__(self, path, checkpoints_to_keep: int = 2, sharded: bool = True, **settings):
+        super().__init__(path, checkpoints_to_keep, **settings)
         self.sharded, self.model, self.optimizer = sharded, None, None
 
     @classmethod
     def like(cls, manager: CheckpointManager, sharded: bool) -> "ShardedCheckpoints":
-        return cls(manager.path, manager.checkpoints_to_keep, sharded)
+        return cls(manager.path, sharded=sharded, **manager.settings())
 
     def attach(self, model, optimizer) -> None:
         self.model, self.optimizer = unwrap(model), optimizer
@@ -97,7 +98,9 @@ class ShardedCheckpoints(CheckpointManager):
     def save_checkpoint(self, state: dict[str, Any], epoch: int, best: bool = False) -> None:
         if not self.sharded:
             return super().save_checkpoint(state, epoch, best)
-        self._write(state, f"checkpoint-{epoch}.dcp")
+        written = self._write(state, f"checkpoint-{epoch}.dcp")
+        if is_main():
+            aside.drop_passed(self.path, written)
         if best:
             self.save_best(state)
         if is_main():

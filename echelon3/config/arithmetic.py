@@ -4,8 +4,12 @@ A value may be a string such as ``total_steps - 500`` or ``(epochs - 1) * steps_
 integers, the names given, ``+ - * //`` and parentheses, read with Python's own parser and
 evaluated node by node (never ``eval``). Schedule lengths use it with the names in
 :data:`LENGTHS`: ``steps_per_epoch`` (optimizer steps in one epoch on one rank),
-``epochs`` (``trainer.config.epochs``) and ``total_steps`` (their product). The
-scheduler builder and the pre-flight both read lengths through :func:`with_lengths`.
+``epochs`` (``trainer.config.epochs``), ``max_steps`` (``trainer.config.max_steps``) and
+``total_steps``, the run's real total: ``epochs x steps_per_epoch``, or ``max_steps`` when
+that comes first (or when ``epochs`` is null). A name the run does not have (``epochs``
+of a run counted in steps only, ``steps_per_epoch`` of a stream of unknown length) is
+not offered. The scheduler builder and the pre-flight both read lengths through
+:func:`with_lengths`.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from echelon3.config.errors import BuildError
 
-LENGTHS = ("steps_per_epoch", "epochs", "total_steps")
+LENGTHS = ("steps_per_epoch", "epochs", "max_steps", "total_steps")
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.FloorDiv: operator.floordiv}
 
@@ -51,7 +55,7 @@ def substitute(node: Any, names: Mapping[str, int], key: str, low: int | None = 
         return {k: substitute(v, names, f"{key}.{k}", low) for k, v in node.items()}
     if isinstance(node, list):
         return [substitute(v, names, f"{key}[{i}]", low) for i, v in enumerate(node)]
-    if isinstance(node, str) and any(name in node for name in names):
+    if isinstance(node, str) and any(name in node for name in (*names, *LENGTHS)):
         value = evaluate(node, names, key)
         if low is not None and value < low:
             facts = ", ".join(f"{name} {number}" for name, number in names.items())
@@ -61,16 +65,28 @@ def substitute(node: Any, names: Mapping[str, int], key: str, low: int | None = 
     return node
 
 
-def with_lengths(node: Any, steps_per_epoch: int | None = None, epochs: int | None = None) -> dict:
+def run_lengths(steps_per_epoch: int | None, epochs: int | None,
+                max_steps: int | None) -> dict[str, int]:
+    """The names a length may use for this run (see the module's docstring)."""
+    names = {"steps_per_epoch": steps_per_epoch, "epochs": epochs, "max_steps": max_steps}
+    whole = steps_per_epoch * epochs if steps_per_epoch is not None and epochs is not None \
+        else None
+    total = [n for n in (whole, max_steps) if n is not None]
+    names["total_steps"] = min(total) if total else None
+    return {k: int(v) for k, v in names.items() if v is not None}
+
+
+def with_lengths(node: Any, steps_per_epoch: int | None = None, epochs: int | None = None,
+                 max_steps: int | None = None, real: bool | None = None) -> dict:
     """The ``scheduler`` section as plain data, lengths evaluated. Given the run's real
-    ``steps_per_epoch`` and ``epochs`` (the scheduler builder), a length under 1 is refused;
-    without them (the pre-flight, which checks only types) 1 step and 1 epoch stand in."""
-    real = steps_per_epoch is not None and epochs is not None
-    steps_per_epoch, epochs = steps_per_epoch or 1, epochs or 1
+    lengths (the scheduler builder), a length under 1 is refused; without them (the
+    pre-flight, which checks only types) 1 stands in for each."""
+    if real is None:
+        real = steps_per_epoch is not None and (epochs is not None or max_steps is not None)
     spec = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) \
         else dict(node)
-    lengths = {"steps_per_epoch": int(steps_per_epoch), "epochs": int(epochs),
-               "total_steps": int(steps_per_epoch) * int(epochs)}
+    lengths = run_lengths(steps_per_epoch, epochs, max_steps) if real else \
+        dict.fromkeys(LENGTHS, 1)
     if isinstance(spec.get("config"), Mapping):
         spec["config"] = substitute(dict(spec["config"]), lengths, "scheduler.config",
                                     low=1 if real else None)

@@ -203,10 +203,11 @@ def create_dataloader(name: str, spec: Mapping, dataset: Dataset, *, train: bool
                             batch)
     spec = {"module": spec["module"], "type": spec["type"], "config": config}
     injected = {}
-    if train and "generator" not in config:
-        # The loader's own generator draws the workers' base seed, so opening the epoch's
-        # batches takes nothing from the training RNG: the same whether the loader is new
-        # (a resumed run) or persistent workers carry on (a straight one).
+    if "generator" not in config:
+        # The loader's own generator draws the workers' base seed (which DataLoader draws
+        # even without workers), so opening its batches takes nothing from the training RNG:
+        # the same whether the loader is new (a resumed run) or persistent workers carry on
+        # (a straight one), and a validation does not change the dropout masks after it.
         injected["generator"] = torch.Generator().manual_seed(int(seed))
     return instantiate(spec, key, config_dir, dataset=dataset, sampler=sampler, **injected)
 
@@ -215,6 +216,40 @@ def set_epoch(loader: DataLoader, epoch: int) -> None:
     sampler = getattr(loader, "sampler", None)
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
+
+
+def known_length(loader) -> int | None:
+    """``len(loader)``, or None for a stream whose length is not known in advance."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+class Limited:
+    """A validation loader cut to its first ``limit`` batches (``limit_val_batches``): on
+    every rank the first ``limit`` of its shard, so the same samples at every validation
+    (the first ``limit`` x global batch ones, at any world size)."""
+
+    def __init__(self, loader, limit: int):
+        self.loader, self.limit = loader, limit
+
+    def __iter__(self):
+        return itertools.islice(iter(self.loader), self.limit)
+
+    def __len__(self) -> int:
+        length = known_length(self.loader)
+        return self.limit if length is None else min(length, self.limit)
+
+    def __getattr__(self, name: str):
+        if name in ("loader", "limit"):
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+def limit_batches(loaders: Mapping[str, Any], limit: int | None) -> dict[str, Any]:
+    """Each loader cut to ``limit`` batches (None: as they are)."""
+    return dict(loaders) if limit is None else {k: Limited(v, limit) for k, v in loaders.items()}
 
 
 def skip_batches(loader: DataLoader, batches: int) -> None:

@@ -21,7 +21,8 @@ import torch
 from omegaconf import OmegaConf
 
 from echelon3 import __version__
-from echelon3.checkpoints.extension import planned_epochs
+from echelon3.checkpoints.extension import planned_epochs, planned_max_steps
+from echelon3.checkpoints import aside
 from echelon3.checkpoints.files import BEST, KEPT_BEST, CheckpointManager, atomic_write_text
 from echelon3.config.compose import changed_keys
 from echelon3.config.errors import CheckpointError, ConfigError
@@ -36,8 +37,10 @@ VOLATILE = ("device", "gpus", "nproc", "device_ids", "mlops", "mlflow", "evaluat
             "trainer.config.tf32", "trainer.config.cudnn_benchmark", "trainer.config.compile",
             "trainer.config.compile_mode", "trainer.config.log_every_n_steps",
             "trainer.config.progress_bar", "trainer.config.nan_policy", "trainer.config.profile",
-            "trainer.config.extend", "strategy", "fsdp", "activation_checkpointing",
-            "target.path", "target.checkpoints_to_keep", "export")
+            "trainer.config.extend", "trainer.config.max_steps", "strategy", "fsdp", "activation_checkpointing",
+            "target.path", "target.checkpoints_to_keep", "target.every_n_steps",
+            "target.every_n_minutes", "target.step_checkpoints_to_keep", "target.async_save",
+            "resume_from", "export")
 _LOADER_VOLATILE = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
 ON_CHANGE = ("error", "restart", "resume")
 
@@ -78,17 +81,52 @@ def config_changes(cfg, state: dict, folder: Path) -> str:
     return f" ({'; '.join(changes)})" if changes else ""
 
 
+def chosen_checkpoint(cfg, checkpoints: CheckpointManager) -> Path | None:
+    """The checkpoint root ``resume_from`` names (a path, or a name in ``target.path``), or
+    None; a name that is not one of the run's rolling checkpoints is refused."""
+    chosen = cfg.get("resume_from")
+    if not chosen:
+        return None
+    path = Path(str(chosen))
+    if not path.exists() and (checkpoints.path / path).exists():
+        path = checkpoints.path / path
+    rolling = {p.resolve(): p for p in checkpoints.rolling()}
+    if path.resolve() not in rolling:
+        names = ", ".join(p.name for p in checkpoints.rolling()) or "none"
+        raise ConfigError("resume_from", f"{chosen} is not a checkpoint of this run's "
+                          f"target.path {checkpoints.path} (its checkpoints: {names}); to "
+                          "start another run from its weights use init_from")
+    return rolling[path.resolve()]
+
+
+def _take_chosen(checkpoints: CheckpointManager, path: Path):
+    """Load the chosen checkpoint and set the later ones aside (rank 0 moves them)."""
+    state = checkpoints.load(path)
+    if is_main():
+        best = checkpoints.path / KEPT_BEST
+        best_step = int(torch.load(best, map_location="cpu", weights_only=True, mmap=True)
+                        ["global_step"]) if best.is_file() else None
+        aside.set_aside(checkpoints.path, checkpoints.rolling(), path, best_step,
+                        int(state["global_step"]))
+    barrier()
+    return path, state
+
+
 def find_resume_state(cfg, checkpoints: CheckpointManager, fp: str):
-    """(path, state) of the checkpoint to continue from, or None to start fresh."""
-    found = checkpoints.latest_loadable()
+    """(path, state) of the checkpoint to continue from (root ``resume_from``, else the
+    newest that loads), or None to start fresh."""
+    chosen = chosen_checkpoint(cfg, checkpoints)
+    found = checkpoints.latest_loadable() if chosen is None else (chosen, None)
     if found is None:
         return None
     path, state = found
+    if state is None:
+        state = checkpoints.load(path)
     previous = state.get("config_fingerprint")
     if previous is None or previous == fp:
         log.info("Resuming from %s (epoch %d, step %d)", path, state["epoch"],
                  state["global_step"])
-        return found
+        return _take_chosen(checkpoints, path) if chosen is not None else (path, state)
     policy = cfg.get("on_config_change", "error")
     if policy not in ON_CHANGE:
         raise ConfigError("on_config_change", f"must be one of {', '.join(ON_CHANGE)}, "
@@ -96,7 +134,7 @@ def find_resume_state(cfg, checkpoints: CheckpointManager, fp: str):
     if policy == "resume":
         log.warning("%s was made by a different config; resuming anyway (on_config_change: "
                     "resume)", path)
-        return found
+        return _take_chosen(checkpoints, path) if chosen is not None else (path, state)
     if policy == "error":
         raise _changed(cfg, state, checkpoints.path)
     if is_main():
@@ -126,7 +164,8 @@ def run_record(cfg, fp: str, split: tuple | None = None) -> dict:
     return {"config_fingerprint": fp,
             "run_identity": json.dumps(identity(OmegaConf.to_container(cfg, resolve=True)),
                                        default=str),
-            "epochs": planned_epochs(cfg),  # compared on resume (echelon3.checkpoints.extension)
+            # compared on resume (echelon3.checkpoints.extension)
+            "epochs": planned_epochs(cfg), "max_steps": planned_max_steps(cfg),
             "selected_on": splits.selected_on(cfg.data),
             splits.RECORD: splits.record(cfg.data, split)}
 
@@ -163,7 +202,8 @@ def refuse_changed_config(cfg, config_dir: Path | None) -> None:
     require(cfg, "net", "data", "dataloaders", "loss", "optimizer", "trainer", "target",
             task="train")  # a missing section is said as such first, as by the task
     checkpoints = ShardedCheckpoints.like(components.build_target(cfg, config_dir), False)
-    for path in checkpoints.rolling():  # newest first: the one a resume would take
+    chosen = chosen_checkpoint(cfg, checkpoints)
+    for path in [chosen] if chosen else checkpoints.rolling():  # the one a resume would take
         state = _state_without_tensors(path)
         if state is None:
             continue

@@ -60,13 +60,25 @@ def trained_line(epochs: int, before: int, elapsed: float) -> str:
     return f"trained {which} (resumed after epoch {before}) in {elapsed:.1f} s"
 
 
-def finish(folder: Path, epochs: int, started: float, before: int = 0,
-           stopped: str | None = None) -> dict | None:
+def steps_line(steps: int, before: int, max_steps: int, elapsed: float) -> str:
+    """What an attempt of a run counted in steps trained."""
+    if steps <= before:
+        return (f"nothing trained: {before} of {max_steps} steps were already done (raise "
+                f"trainer.config.max_steps to train more)")
+    resumed = f" (resumed at step {before})" if before else ""
+    return f"trained steps {before + 1}-{steps} of {max_steps}{resumed} in {elapsed:.1f} s"
+
+
+def finish(folder: Path, epochs: int, started: float, before: tuple[int, int] | int = 0,
+           stopped: str | None = None, steps: int | None = None,
+           max_steps: int | None = None, resumed_from: Path | None = None) -> dict | None:
     """Write ``summary.json`` and log the closing block (rank 0); the summary.
-    ``epochs``: done in all; ``before``: done before this attempt; ``stopped``: why
-    early stopping ended the run, if it did."""
+    ``epochs``, ``steps``: done in all; ``before``: (epochs, steps) done before this
+    attempt; ``stopped``: why early stopping ended the run, if it did; ``max_steps``: the
+    run is counted in steps; ``resumed_from``: the checkpoint this attempt went on from."""
     if not is_main():
         return None
+    before, before_steps = before if isinstance(before, tuple) else (before, 0)
     best = best_checkpoint(folder)
     files = {p.name + ("/" if p.is_dir() else "") for p in folder.iterdir()
              if not p.name.startswith(".")} | {SUMMARY}
@@ -74,6 +86,10 @@ def finish(folder: Path, epochs: int, started: float, before: int = 0,
                "elapsed_s": round(time.time() - started, 1),
                "files": sorted(files, key=_natural),
                "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               **({"steps": steps, "steps_trained": max(steps - before_steps, 0)}
+                  if steps is not None else {}),
+               **({"max_steps": max_steps} if max_steps is not None else {}),
+               **({"resumed_from": Path(resumed_from).name} if resumed_from else {}),
                **({"stopped_early": stopped} if stopped else {})}
     atomic_write_text(folder / SUMMARY, json.dumps(summary, indent=2) + "\n")
     if best is None:
@@ -82,9 +98,15 @@ def finish(folder: Path, epochs: int, started: float, before: int = 0,
         scores = " | ".join(f"{k} {v:.4f}" for k, v in best["metrics"].items())
         best_line = (f"epoch {best['epoch']} (step {best['step']}, "
                      f"{describe(best['selected_on'])}): {scores}")
-    log.info("%s%s\n  best     %s\n  written  %s%s: %s",
-             "nothing trained: the run had stopped early" if stopped and epochs <= before
-             else trained_line(epochs, before, summary["elapsed_s"]),
+    if stopped and (steps or 0) <= before_steps and epochs <= before:
+        trained = "nothing trained: the run had stopped early"
+    elif max_steps is not None and steps is not None:
+        trained = steps_line(steps, before_steps, max_steps, summary["elapsed_s"])
+    else:
+        trained = trained_line(epochs, before, summary["elapsed_s"])
+    if resumed_from:
+        trained += f"\n  from     {Path(resumed_from).name}"
+    log.info("%s%s\n  best     %s\n  written  %s%s: %s", trained,
              f"\n  {stopped}" if stopped else "", best_line, folder, os.sep,
              ", ".join(summary["files"]))
     return summary

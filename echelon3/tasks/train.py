@@ -22,13 +22,15 @@ import time
 from omegaconf import OmegaConf
 
 from echelon3.checkpoints import lock as run_lock
-from echelon3.checkpoints.extension import check_extend, check_extension, planned_epochs
+from echelon3.checkpoints.extension import (check_extend, check_extension, planned_epochs,
+                                            planned_max_steps)
 from echelon3.checkpoints.files import load_weights, training_weights
 from echelon3.checkpoints.optimizer_layout import lay_out_optimizer
 from echelon3.checkpoints.sharded import SHARDED, ShardedCheckpoints, read_sharded
 from echelon3.config.compose import RunConfig, require
 from echelon3.config.errors import ConfigError
 from echelon3.data.rng import seed_everything
+from echelon3.data.loaders import known_length, limit_batches
 from echelon3.data.train_data import train_loaders
 from echelon3.distributed import preemption
 from echelon3.distributed.ddp import DDP_KEYS, check_settings
@@ -48,7 +50,7 @@ log = logging.getLogger(__name__)
 
 # trainer.config keys used to set the run up rather than by the loop itself.
 RUNTIME_KEYS = {"precision": None, "tf32": True, "cudnn_benchmark": True, "compile": False,
-                "compile_mode": None, **DDP_KEYS, "extend": None}
+                "compile_mode": None, **DDP_KEYS, "extend": None, "limit_val_batches": None}
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune",
                  "max-autotune-no-cudagraphs")
 def runtime_settings(cfg) -> dict:
@@ -63,6 +65,10 @@ def runtime_settings(cfg) -> dict:
             raise ConfigError(f"trainer.config.{key}", f"must be true or false, got "
                               f"{settings[key]!r}")
     check_extend(settings["extend"])
+    limit = settings["limit_val_batches"]
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ConfigError("trainer.config.limit_val_batches", f"must be an integer >= 1 or "
+                          f"null, got {limit!r}")
     check_settings(settings)
     return settings
 
@@ -108,7 +114,7 @@ def assemble_and_fit(rc: RunConfig, device, launcher, tracker=None):
     scale_group_lrs(optimizer)
     scheduler = schedulers.build(cfg, optimizer, rc.config_dir,
                                  steps_per_epoch=steps_per_epoch(cfg, train_loader),
-                                 epochs=planned_epochs(cfg))
+                                 epochs=planned_epochs(cfg), max_steps=planned_max_steps(cfg))
     precision = Precision.from_config(device, settings["precision"], settings["tf32"],
                                       settings["cudnn_benchmark"],
                                       closure=is_closure_optimizer(optimizer))
@@ -122,6 +128,7 @@ def assemble_and_fit(rc: RunConfig, device, launcher, tracker=None):
         load_weights(unwrap(model), training_weights(state), path)
     elif state is not None:
         lay_out_optimizer(state, model, optimizer)
+    val_loaders = limit_batches(val_loaders, settings["limit_val_batches"])
     if strategy.sharded and launcher.world_size > 1:
         val_loaders = lockstep(val_loaders, model, precision, device)
     # Same initial weights everywhere (seeded above); from here each rank draws its own
@@ -144,17 +151,21 @@ def assemble_and_fit(rc: RunConfig, device, launcher, tracker=None):
         precision=precision, device=device, named_sets=named, resume_state=state,
         scheduler_interval=schedulers.interval(cfg),
         extra_state=run_record(cfg, fp, split))
+    trainer.resumed_from = path  # said in the summary
     try:
         trainer.fit()
     finally:
         logger.close()
-    return trainer, int(state["epoch"]) if state is not None else 0
+    return trainer, (int(state["epoch"]), int(state["global_step"])) if state is not None \
+        else (0, 0)
 
 
-def steps_per_epoch(cfg, train_loader) -> int:
-    """Optimizer steps in one epoch on one rank (accumulation windows)."""
+def steps_per_epoch(cfg, train_loader) -> int | None:
+    """Optimizer steps in one epoch on one rank (accumulation windows); None for a stream
+    of unknown length."""
     accum = int(((cfg.trainer.get("config") or {}).get("grad_accum_steps")) or 1)
-    return -(-len(train_loader) // max(accum, 1))
+    batches = known_length(train_loader)
+    return None if batches is None else -(-batches // max(accum, 1))
 
 
 def train(rc: RunConfig, device, launcher) -> None:
@@ -176,7 +187,9 @@ def _train(rc: RunConfig, device, launcher) -> None:
         raise
     summary = finish(folder, getattr(trainer, "epoch", 0), started, before=before,
                      stopped=trainer.stopped_early() if hasattr(trainer, "stopped_early")
-                     else None)
+                     else None, steps=getattr(trainer, "global_step", None),
+                     max_steps=planned_max_steps(rc.cfg),
+                     resumed_from=getattr(trainer, "resumed_from", None))
     tracker.finish(summary)  # summary.json gets its `mlflow` entry; the files go to MLflow
 
 

@@ -19,8 +19,12 @@ What happens for each micro-batch, in this order (the one place it is written):
    of the epoch): one collective starts (losses, non-finite flag, preemption
    flag under DDP) and the previous log point's is read: its train record is
    written, a non-finite loss stops the run, a preemption stops it here.
-6. At a validation point (``times_to_validate_per_epoch``, at window ends):
-   validation, keep-best and ``best.tar``.
+6. At a validation point (``times_to_validate_per_epoch``, at window ends, or every
+   ``val_check_interval`` optimizer steps: :mod:`echelon3.trainers.length`): validation,
+   keep-best and ``best.tar`` (in the step mode, early stopping too). Then a step
+   checkpoint when one is due (``target.every_n_steps`` / ``every_n_minutes``:
+   :mod:`echelon3.trainers.step_checkpoints`), and the run ends once ``max_steps`` is
+   reached.
 7. One process: a preemption signal stops the run after this micro-batch, even
    inside a window. The checkpoint is written by :meth:`Trainer._preempt`, after
    the non-finite guard has checked what it would save.
@@ -28,8 +32,10 @@ What happens for each micro-batch, in this order (the one place it is written):
    the end of a window.
 
 After the epoch a per-epoch scheduler steps, validation runs (on the EMA
-weights when on), early stopping looks at it, and the epoch's checkpoint is
-written. The hot loop never waits for the device (reads happen one log point
+weights when on; in the step mode only if the run ends here), early stopping looks at
+it, and the epoch's checkpoint is written. A run that ends in the middle of an epoch
+(``max_steps``, or early stopping in the step mode) validates if its last step has not,
+and ends with a step checkpoint. The hot loop never waits for the device (reads happen one log point
 later) and runs no collective outside log points, except DDP's gradient
 all-reduce and, under ``nan_policy: skip``, one flag per optimizer step.
 Mid-epoch state has one home, :mod:`echelon3.trainers.state`.
@@ -45,6 +51,7 @@ from tqdm import tqdm  # not tqdm.auto: its asyncio variant opens every loader t
 
 from echelon3.config.errors import blame
 from echelon3.data.batches import split_batch, to_device, weighted_loss
+from echelon3.data.loaders import known_length
 from echelon3.data.rng import restore_for_rank
 from echelon3.data.samples import naming_bad_labels
 from echelon3.distributed import preemption
@@ -57,24 +64,27 @@ from echelon3.trainers.checkpointing import Checkpointing
 from echelon3.trainers.clipping import GradientClipping
 from echelon3.trainers.early_stopping import EarlyStopping
 from echelon3.trainers.ema import EMA
-from echelon3.trainers.logpoint import LogPoint
+from echelon3.trainers.length import RunLength
+from echelon3.trainers.logpoint import LogPoint, LogPoints
 from echelon3.trainers.nonfinite import NonFiniteGuard
 from echelon3.trainers.preempting import Preempting
 from echelon3.trainers.running import RunningLosses
 from echelon3.trainers.state import EpochPosition, MidEpoch
-from echelon3.trainers.stepping import STEP, WAIT, Stepping
+from echelon3.trainers.step_checkpoints import StepCheckpoints, StepSaving
+from echelon3.trainers.stepping import SKIP, STEP, WAIT, Stepping
 from echelon3.trainers.validating import Validation
 
 log = logging.getLogger(__name__)
 
 
-class Trainer(Checkpointing, Preempting, Validation):
+class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation):
     """Injected: everything but the keyword settings below, which come from ``trainer.config``."""
 
     def __init__(self, *, net, losses, optimizer, train_loader, test_loaders, metrics,
                  checkpoints, logger, precision, device, scheduler=None, named_sets=False,
-                 resume_state=None, extra_state=None, epochs: int = 10,
-                 times_to_validate_per_epoch: int = 1,
+                 resume_state=None, extra_state=None, epochs: int | None = 10,
+                 max_steps: int | None = None, times_to_validate_per_epoch: int = 1,
+                 val_check_interval: int | None = None, validate_at_start: bool = False,
                  keep_best_on: Any = None, high_is_better: bool = True,
                  metrics_on: str | Sequence[str] | None = None, float_labels: bool = False,
                  log_every_n_steps: int = 50, progress_bar: bool = True,
@@ -82,13 +92,13 @@ class Trainer(Checkpointing, Preempting, Validation):
                  profile: Mapping | None = None, scheduler_interval: str = "epoch",
                  gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm",
                  early_stopping: Mapping | None = None, ema: Mapping | None = None):
-        if int(epochs) < 1 or int(times_to_validate_per_epoch) < 1:
-            raise ValueError("epochs and times_to_validate_per_epoch must be at least 1")
+        self.length = RunLength(epochs, max_steps, val_check_interval, validate_at_start,
+                                times_to_validate_per_epoch)
         self.net, self.losses, self.optimizer = net, losses, optimizer
         self.scheduler, self.precision, self.device = scheduler, precision, device
         self.train_loader, self.test_loaders, self.metrics = train_loader, test_loaders, metrics
         self.checkpoints, self.logger, self.named_sets = checkpoints, logger, named_sets
-        self.epochs, self.validations = int(epochs), int(times_to_validate_per_epoch)
+        self.epochs = self.length.epochs  # None: the run is counted in steps only
         self.float_labels, self.log_every = float_labels, max(1, int(log_every_n_steps))
         self.extra_state = dict(extra_state or {})
         self.closure = is_closure_optimizer(optimizer)
@@ -102,8 +112,10 @@ class Trainer(Checkpointing, Preempting, Validation):
         self.ema = EMA(unwrap(net), ema) if ema else None
         self.setup_validation(metrics_on, keep_best_on, high_is_better, progress_bar)
         first = self.keep_best.criteria[0]
-        self.early = EarlyStopping(early_stopping, first.name, first.high) \
+        self.early = EarlyStopping(early_stopping, first.name, first.high,
+                                   unit="step" if self.length.by_steps else "epoch") \
             if early_stopping else None
+        self.step_saving = StepSaving.of(checkpoints)
         self._lr = optimizer.param_groups[0]["lr"]  # of the last optimizer step
         self.epoch, self.global_step = 0, 0
         self.move = torch.device(device).type != "cpu"  # batches already sit on the CPU
@@ -187,58 +199,21 @@ class Trainer(Checkpointing, Preempting, Validation):
         if self.interval == "step" and self.scheduler is not None:
             self.scheduler.step()
 
-    # ------------------------------------------------------------------ log points
-
-    def _log_point(self, epoch: int) -> None:
-        """Step 5: start this interval's collective, act on the previous one's."""
-        means = self.running.take()
-        values = {"bad": self.nonfinite.interval_flag(self.device)}
-        if get_world_size() > 1:
-            values["stop"] = torch.tensor(float(preemption.requested() is not None),
-                                          device=self.device)
-        if means is not None:
-            values["losses"] = means
-        norms = self.clipping.take(get_world_size())
-        if norms is not None:
-            values["grad_norm"] = norms
-        record = {"split": "train", "epoch": epoch, "step": self.global_step, "lr": self._lr}
-        self._act(self.logpoint.exchange(record if means is not None else None, values))
-
-    def _flush_logs(self) -> None:
-        self._act(self.logpoint.flush())
-
-    def _act(self, read) -> None:
-        if read is None:
-            return
-        record, values = read
-        self.nonfinite.read(values["bad"][0])
-        if record is not None:
-            record = self.running.fill(record, values["losses"])
-            if "grad_norm" in values:
-                record["grad_norm"] = self.clipping.read(values["grad_norm"])
-            self.logger.log(record)
-            if self._bar is not None:
-                self._bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
-        if values.get("stop", [0])[0] > 0:
-            self._stop = True
-
     # ------------------------------------------------------------------ the loop
 
-    def _train_epoch(self, epoch: int, clock: EpochClock) -> bool:
-        """One epoch; True when the profiled window ended the run (``profile.stop_after``)."""
+    def _train_epoch(self, epoch: int, clock: EpochClock) -> str | None:
+        """One epoch; why the run ends inside it (``profiled``: ``profile.stop_after``,
+        ``length``: ``max_steps``, ``early``: early stopping in the step mode), else None."""
         batches, done = self.position.start(self.train_loader, epoch, get_rank())
         self.net.train()
-        steps = len(self.train_loader)
-        windows = self.stepping.windows_in(steps)
-        validate_at = {round(windows * (k + 1) / self.validations)
-                       for k in range(self.validations - 1)}
+        steps = known_length(self.train_loader)  # None: a stream of unknown length
+        windows = None if steps is None else self.stepping.windows_in(steps)
+        validate_at = self.length.mid_epoch_points(windows)
         # On a GPU one step per log interval runs between CUDA events.
         sample_at = self.log_every // 2 if clock.cuda and self.log_every >= 4 else -1
-        self._bar = bar = tqdm(self.profiler.batches(clock.batches(batches)), total=steps,
-                               initial=done, desc=f"epoch {epoch + 1}/{self.epochs}",
-                               disable=None if self.progress_bar else True, dynamic_ncols=True)
-        self._stop, profiled = False, False  # profiled: the profiled window is over
-        for i, batch in enumerate(bar, start=done + 1):
+        self._bar = bar = self._progress(epoch, steps, done)
+        self._stop, ended, profiled = False, None, False
+        for i, batch in enumerate(self.profiler.batches(clock.batches(batches)), start=done + 1):
             if interrupted():
                 raise KeyboardInterrupt
             scale, last = self.stepping.window(i - 1, steps)
@@ -250,29 +225,63 @@ class Trainer(Checkpointing, Preempting, Validation):
                     decision = self.micro_batch(batch, scale, last)
             clock.step_ended(started)
             self.position.step = i
+            bar.update()
             profiled = self.profiler.step() or profiled
             if decision == WAIT:
                 if self._stop_requested():
                     self._preempt(epoch)
                 continue
-            if self.global_step % self.log_every == 0 and i < steps:
-                self._log_point(epoch + 1)
-            if -(-i // self.stepping.steps) in validate_at:
-                with clock.aside():
-                    self.validate(epoch + 1)
-            if self._stop_requested():
-                self._preempt(epoch)
-            if profiled:
-                log.info("stopping after the profiled batches (trainer.config.profile."
-                         "stop_after)")
+            ended = self._after_window(epoch, i, steps, validate_at, clock) or \
+                ("profiled" if profiled else None)
+            if ended:
                 break
+        if ended is None and self.stepping.losses:  # a stream's last window, not full
+            self.stepping.close(self.optimizer, SKIP)
+            log.info("the stream ended inside an accumulation window; its %d micro-batch(es) "
+                     "were dropped", i % self.stepping.steps)
         self._log_point(epoch + 1)
         self._flush_logs()
         bar.close()
         self._bar = None
         if self._stop:
             self._preempt(epoch)
-        return profiled
+        return ended
+
+    def _after_window(self, epoch: int, i: int, steps: int | None, validate_at: set,
+                      clock: EpochClock) -> str | None:
+        """Steps 5-7 after an optimizer step (or skip); why the run ends here, if it does."""
+        epoch_ends = steps is not None and i >= steps
+        if self.global_step % self.log_every == 0 and not epoch_ends:
+            self._log_point(epoch + 1)
+        ends = self.length.reached(self.global_step)
+        if -(-i // self.stepping.steps) in validate_at or \
+                (self.length.validates_after(self.global_step) and not (ends or epoch_ends)):
+            with clock.aside():
+                self.validate(epoch + 1)
+                if self.length.by_steps and self.early is not None and \
+                        self.early.update(self.global_step, self.last_metrics):
+                    return "early"
+        if ends:
+            return "length"
+        if self.step_saving.after_step(self.global_step) and not epoch_ends:
+            with clock.aside():
+                self._save_step(epoch)
+        if self._stop_requested():
+            self._preempt(epoch)
+        return None
+
+    def _progress(self, epoch: int, steps: int | None, done: int):
+        """The progress bar: micro-batches of the epoch, or of the run when it is counted
+        in steps only."""
+        accum = self.stepping.steps
+        if self.epochs is None:
+            total = self.length.max_steps * accum
+            initial = self.global_step * accum
+            desc = f"step {self.global_step}/{self.length.max_steps}"
+        else:
+            total, initial, desc = steps, done, f"epoch {epoch + 1}/{self.epochs}"
+        return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True,
+                    disable=None if self.progress_bar else True)
 
     def _stop_requested(self) -> bool:
         """Step 7: one process stops on its own signal; ranks on the log point's flag."""
@@ -283,34 +292,63 @@ class Trainer(Checkpointing, Preempting, Validation):
             restore_for_rank(*self._resume_rng, get_rank(), get_world_size())
             self._resume_rng = None
         self.logger.rewind(self.global_step)
-        if self.stopped_early():
-            log.info("nothing to train: %s", self.stopped_early())
-        elif self.epoch >= self.epochs:
-            log.info("nothing to train: %d of %d epochs already done", self.epoch, self.epochs)
+        done = self.stopped_early() or self.length.finished(self.epoch, self.global_step)
+        if done:
+            log.info("nothing to train: %s", done)
         clock = EpochClock(self.device, self.train_loader, compiled=is_compiled(self.net))
         start = self.epoch
-        report_after = min(start + 1, self.epochs - 1)  # the first steady-state epoch
+        report_after = start + 1 if self.epochs is None else min(start + 1, self.epochs - 1)
         self.profiler.start()
-        for epoch in range(self.epoch, self.epochs if not self.stopped_early() else 0):
-            if self._train_epoch(epoch, clock):
+        if not done and self.length.at_start and self.global_step == 0:
+            self.validate(1)  # before the first step (validate_at_start)
+        epoch = self.epoch
+        while not done and epoch < self.length.epoch_count:
+            ended = self._train_epoch(epoch, clock)
+            if ended in ("length", "early") and self.position.step < (
+                    known_length(self.train_loader) or float("inf")):
+                self._end_mid_epoch(epoch, ended)
                 break
-            if self.scheduler is not None and self.interval == "epoch":
-                self.scheduler.step()
-            self.epoch = epoch + 1
-            self.nonfinite.end_epoch(self.epoch)
-            with clock.aside():
-                best = self.validate(self.epoch, save_best=False)
-                stop = self.early is not None and self.early.update(self.epoch,
-                                                                    self.last_metrics)
-                self.checkpoints.save_checkpoint(self.state_dict(), self.epoch, best=best)
+            if ended == "profiled":
+                break
+            stop = self._end_epoch(epoch, clock, last=ended == "length")
             self._report_time(clock, first=epoch == report_after, warm=epoch > start)
             if stop:
                 log.info("%s (trainer.config.early_stopping)", self.stopped_early())
                 break
+            if ended:
+                break
+            epoch += 1
         self.profiler.stop()
         self.checkpoints.ensure_best()
         self.nonfinite.end_fit()
         return self.best_metrics
+
+    def _end_epoch(self, epoch: int, clock: EpochClock, last: bool) -> bool:
+        """After epoch ``epoch`` (0-based): scheduler, validation, early stopping, the
+        epoch's checkpoint; True when early stopping ends the run."""
+        if self.scheduler is not None and self.interval == "epoch":
+            self.scheduler.step()
+        self.epoch = epoch + 1
+        self.nonfinite.end_epoch(self.epoch)
+        with clock.aside():
+            best, stop = False, False
+            if not self.length.by_steps or last or self.length.validates_after(
+                    self.global_step) or self.epochs is not None and self.epoch >= self.epochs:
+                best = self.validate(self.epoch, save_best=False)
+                unit_done = self.global_step if self.length.by_steps else self.epoch
+                stop = self.early is not None and self.early.update(unit_done,
+                                                                    self.last_metrics)
+            self.checkpoints.save_checkpoint(self.state_dict(), self.epoch, best=best)
+        return stop
+
+    def _end_mid_epoch(self, epoch: int, why: str) -> None:
+        """The run ends inside epoch ``epoch`` (0-based): validate if the last step has not,
+        then a step checkpoint, from which a longer run would go on exactly."""
+        if why == "length":
+            self.validate(epoch + 1)
+        else:
+            log.info("%s (trainer.config.early_stopping)", self.stopped_early())
+        self._save_step(epoch)
 
     def _report_time(self, clock: EpochClock, first: bool, warm: bool) -> None:
         """Where the epoch's time went: in history every epoch, in the log once."""

@@ -7,7 +7,8 @@ epochs in a row without improvement the run stops, as a finished run: its
 epoch checkpoint records the stop, ``summary.json`` says when and why, the
 workflow takes its outputs as final, and resuming it trains no more.
 Mid-epoch validations (``times_to_validate_per_epoch``) choose ``best.tar``
-but do not count here.
+but do not count here. With ``val_check_interval`` (a run validated every N steps) every
+validation counts, and ``patience`` is a number of validations.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ SETTINGS = ("patience", "min_delta")
 
 
 class EarlyStopping:
-    def __init__(self, config: Mapping[str, Any], metric: str, high: bool):
+    def __init__(self, config: Mapping[str, Any], metric: str, high: bool, unit: str = "epoch"):
         if not isinstance(config, Mapping):
             raise ConfigError(KEY, "must be a mapping {patience, min_delta}")
         for name in config:
@@ -35,7 +36,7 @@ class EarlyStopping:
         if not isinstance(delta, int | float) or delta < 0:
             raise ConfigError(f"{KEY}.min_delta", f"must be a number >= 0, got {delta!r}")
         self.patience, self.min_delta = patience, float(delta)
-        self.metric, self.high = metric, high
+        self.metric, self.high, self.unit = metric, high, unit
         self.best: float | None = None
         self.best_epoch = 0
         self.waited = 0
@@ -48,7 +49,8 @@ class EarlyStopping:
             else (self.best - value > self.min_delta)
 
     def update(self, epoch: int, metrics: Mapping[str, float]) -> bool:
-        """After epoch ``epoch``'s validation; True when the run stops here."""
+        """After the validation of epoch ``epoch`` (of step ``epoch`` when ``unit`` is step);
+        True when the run stops here."""
         value = float(metrics[self.metric])
         if self.improves(value):
             self.best, self.best_epoch, self.waited = value, epoch, 0
@@ -61,9 +63,10 @@ class EarlyStopping:
     def reason(self) -> str | None:
         if self.stopped_epoch is None:
             return None
-        return (f"stopped early after epoch {self.stopped_epoch}: {self.metric} did not "
-                f"improve by more than {self.min_delta:g} for {self.patience} epoch(s) "
-                f"(best {self.best:.6g} at epoch {self.best_epoch})")
+        counted = "epoch(s)" if self.unit == "epoch" else "validation(s)"
+        return (f"stopped early after {self.unit} {self.stopped_epoch}: {self.metric} did not "
+                f"improve by more than {self.min_delta:g} for {self.patience} {counted} "
+                f"(best {self.best:.6g} at {self.unit} {self.best_epoch})")
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "best_epoch": self.best_epoch, "waited": self.waited,

@@ -50,3 +50,48 @@ class LogPoint:
         for name, size in zip(names, sizes):
             out[name], at = numbers[at:at + size], at + size
         return record, out
+
+
+class LogPoints:
+    """Step 5 of the trainer's order, mixed into the trainer (which provides the running
+    losses, the non-finite guard, clipping, the logger and the step checkpoints' clock)."""
+
+    def _log_point(self, epoch: int) -> None:
+        """Start this interval's collective, act on the previous one's."""
+        from echelon3.distributed import preemption
+
+        means = self.running.take()
+        values = {"bad": self.nonfinite.interval_flag(self.device)}
+        if get_world_size() > 1:
+            values["stop"] = torch.tensor(float(preemption.requested() is not None),
+                                          device=self.device)
+        if self.step_saving.timed:  # rank 0's clock decides, every rank learns it here
+            values["save"] = torch.tensor(float(self.step_saving.time_is_up()),
+                                          device=self.device)
+        if means is not None:
+            values["losses"] = means
+        norms = self.clipping.take(get_world_size())
+        if norms is not None:
+            values["grad_norm"] = norms
+        record = {"split": "train", "epoch": epoch, "step": self.global_step, "lr": self._lr}
+        self._act(self.logpoint.exchange(record if means is not None else None, values))
+
+    def _flush_logs(self) -> None:
+        self._act(self.logpoint.flush())
+
+    def _act(self, read) -> None:
+        if read is None:
+            return
+        record, values = read
+        self.nonfinite.read(values["bad"][0])
+        if record is not None:
+            record = self.running.fill(record, values["losses"])
+            if "grad_norm" in values:
+                record["grad_norm"] = self.clipping.read(values["grad_norm"])
+            self.logger.log(record)
+            if self._bar is not None:
+                self._bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+        if values.get("stop", [0])[0] > 0:
+            self._stop = True
+        if values.get("save", [0])[0] > 0:
+            self.step_saving.due = True

@@ -18,8 +18,6 @@ log = logging.getLogger(__name__)
 class Preempting:
     def _preempt(self, epoch: int) -> None:
         """Checkpoint the epoch in progress (every rank takes part) and stop."""
-        self.check_before_save()
-        state = {**self.state_dict(), **self.mid_epoch.state()}
-        path = self.checkpoints.save_preempted(state)
+        path = self.checkpoints.save_preempted(self._mid_epoch_checkpoint())
         log.info("%s", preemption.report(epoch + 1, self.global_step, path))
         raise preemption.Preempted(str(path))

@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from echelon3.config.arithmetic import with_lengths
+from echelon3.config.arithmetic import run_lengths, with_lengths
 from echelon3.config.errors import BuildError, ConfigError
 
 INTERVALS = ("epoch", "step")
@@ -64,17 +64,20 @@ def check_unit(spec: dict, unit: str, run: int) -> None:
                 "epoch" if unit == "step" else "step")
 
 
-def build(cfg, optimizer, config_dir: Path | None = None, steps_per_epoch: int = 1,
-          epochs: int = 1):
-    """The configured scheduler on ``optimizer`` (None without a ``scheduler`` section)."""
+def build(cfg, optimizer, config_dir: Path | None = None, steps_per_epoch: int | None = 1,
+          epochs: int | None = 1, max_steps: int | None = None):
+    """The configured scheduler on ``optimizer`` (None without a ``scheduler`` section).
+    ``steps_per_epoch`` None: a stream of unknown length; ``epochs`` None: a run counted in
+    steps only."""
     from echelon3.config.build import instantiate, is_spec
 
     node = cfg.get("scheduler")
     if node is None:
         return None
     unit = interval(cfg)
-    spec = with_lengths(node, steps_per_epoch, epochs)
-    check_unit(spec, unit, steps_per_epoch * epochs if unit == "step" else epochs)
+    spec = with_lengths(node, steps_per_epoch, epochs, max_steps, real=True)
+    run = run_lengths(steps_per_epoch, epochs, max_steps)
+    check_unit(spec, unit, run.get("total_steps" if unit == "step" else "epochs", 0))
     spec.pop("interval", None)
     spec["config"] = dict(spec.get("config") or {})
     nested = spec["config"].pop("schedulers", None)

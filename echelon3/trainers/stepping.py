@@ -59,10 +59,11 @@ class Stepping:
         self.losses: list[Mapping[str, torch.Tensor]] = []  # the open window's micro-batches
         self._started = False
 
-    def window(self, index: int, total: int) -> tuple[float, bool]:
-        """(loss scale, closes the window?) for micro-batch ``index`` (0-based) of ``total``."""
+    def window(self, index: int, total: int | None) -> tuple[float, bool]:
+        """(loss scale, closes the window?) for micro-batch ``index`` (0-based) of ``total``
+        (None: a stream of unknown length, whose windows are all full)."""
         start = index - index % self.steps
-        size = min(self.steps, total - start)
+        size = self.steps if total is None else min(self.steps, total - start)
         return 1.0 / size, index == start + size - 1
 
     def windows_in(self, total: int) -> int:
