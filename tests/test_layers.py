@@ -25,7 +25,7 @@ WINGS: list[tuple[str, ...]] = [
     ("distributed",),
     ("checkpoints",),
     ("observe",),
-    ("nets", "datasets", "metrics", "optimizers"),
+    ("nets", "datasets", "losses", "metrics", "optimizers"),
     ("trainers",),
     ("tasks",),
     ("cli",),

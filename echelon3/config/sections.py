@@ -70,7 +70,8 @@ def check_sections(cfg: DictConfig) -> None:
     for key in MAPPINGS:
         _mapping(cfg.get(key), key)
     for key in NAMED:
-        _named(cfg.get(key), key)
+        if not (key == "loss" and cfg.get(key) == "from_output"):  # the net's own loss
+            _named(cfg.get(key), key)
     for key in ("net", "optimizer", "scheduler", "trainer", "mlops", "evaluator", "runner"):
         _component(cfg.get(key), key)
     data = cfg.get("data")

@@ -5,17 +5,19 @@ Shared by the trainer, validation, ``evaluate``, ``run`` and ``export``.
 A network may return a mapping of outputs (``{"cls": logits, "aux": value}``) and a
 batch's target may be a mapping too. A loss or metric configured with ``input_key``
 / ``target_key`` reads that entry (:class:`Keyed`); one configured without them
-receives the whole mapping.
+receives the whole mapping. Under ``loss: from_output`` the network computes its own
+loss from the target it is handed (:class:`OutputLoss`).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from echelon3.config.errors import UserError, blame
+from echelon3.config.errors import ConfigError, UserError, blame
 
 
 def split_batch(batch: Any) -> tuple[Any, torch.Tensor]:
@@ -133,7 +135,10 @@ def raise_named(key: str, pred: Any, fn: Any, error: Exception):
 
 
 def weighted_loss(losses: Mapping, pred, target, float_labels: bool = False):
-    """Σ weight · loss(pred, target) -> (total, {name: part})."""
+    """Σ weight · loss(pred, target) -> (total, {name: part}); under ``loss: from_output``
+    the loss in the network's output ``pred`` (:class:`OutputLoss`), no parts."""
+    if isinstance(losses, OutputLoss):
+        return OutputLoss.loss(pred), {}
     pred, target = match_target(pred, target, float_labels)
     parts, total = {}, None
     for name, (fn, weight) in losses.items():
@@ -144,3 +149,116 @@ def weighted_loss(losses: Mapping, pred, target, float_labels: bool = False):
         term = part if weight == 1 else weight * part  # no extra kernel for weight 1
         total = term if total is None else total + term
     return total, parts
+
+
+FROM_OUTPUT = "from_output"  # root ``loss: from_output``: the network computes its own loss
+
+
+class OutputLoss(dict):
+    """``loss: from_output``: the network is called with the target and returns its loss.
+
+    How the target is handed over is decided once, from the signature of the plain
+    network's ``forward`` (:func:`target_keyword`): ``labels=`` when ``forward`` has a
+    parameter of that name (transformers' models), else positionally, ``net(inputs,
+    target)``. The output is read by :meth:`loss` and :meth:`logits`:
+
+    - a tensor: the loss (no logits: metrics cannot run);
+    - a ``(logits, loss)`` tuple or list;
+    - a mapping, or an object with attributes (transformers' ``ModelOutput``): the
+      entries ``loss`` and ``logits``.
+
+    It has no named parts (the history holds ``loss`` only) and is true, as a configured
+    loss section is.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.keyword: str | None = None
+        self.bound = False
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"OutputLoss(keyword={self.keyword!r})" if self.bound else "OutputLoss()"
+
+    def bind(self, module) -> None:
+        """Decide, once, how ``module`` takes the target (the plain network, not a wrapper)."""
+        if not self.bound:
+            self.keyword = target_keyword(inspect.signature(module.forward),
+                                          type(module).__name__)
+            self.bound = True
+
+    def call(self, net, module, inputs, target):
+        """``net(inputs, target)`` or ``net(inputs, labels=target)``: through ``net`` (the
+        DDP or FSDP wrapper, so gradients sync), decided on ``module``."""
+        self.bind(module)
+        if self.keyword is None:
+            return net(inputs, target)
+        return net(inputs, **{self.keyword: target})
+
+    @staticmethod
+    def loss(out: Any) -> torch.Tensor:
+        """The loss in the network's output."""
+        value = _entry(out, "loss", 1)
+        if not isinstance(value, torch.Tensor):
+            raise UserError("loss", f"is {FROM_OUTPUT}, but the network returned "
+                            f"{_shape(out)} without a loss tensor (a tensor, (logits, loss), "
+                            "or a mapping / object with 'loss')")
+        return value
+
+    @staticmethod
+    def logits(out: Any) -> Any:
+        """The logits in the network's output (what the metrics see), None when absent."""
+        return _entry(out, "logits", 0)
+
+
+def _entry(out: Any, name: str, position: int) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out if name == "loss" else None
+    if isinstance(out, Mapping):
+        return out.get(name)
+    if isinstance(out, list | tuple) and len(out) == 2:
+        return out[position]
+    return getattr(out, name, None)
+
+
+def _shape(out: Any) -> str:
+    if isinstance(out, Mapping):
+        return f"a mapping (keys {', '.join(map(str, out)) or 'none'})"
+    return f"a {type(out).__name__}"
+
+
+def target_keyword(signature, owner: str) -> str | None:
+    """``labels`` when ``forward`` (its ``inspect.Signature``, without ``self``) has that
+    parameter, None (positional) when it takes a second positional argument; else the
+    :class:`ConfigError` of ``loss``."""
+    params = list(signature.parameters.values())
+    if any(p.name == "labels" for p in params[1:]):
+        return "labels"
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params):
+        return None
+    raise ConfigError("loss", f"is {FROM_OUTPUT}, but {owner}.forward"
+                      f"{signature} takes no target: give forward a second "
+                      "argument (forward(x, target)) or a labels= parameter, or list the losses")
+
+
+def call_net(net, module, losses: Mapping | None, inputs, target):
+    """The network's output on ``inputs``: with the target too under ``loss: from_output``
+    (``module``: the plain network under ``net``'s wrappers)."""
+    if isinstance(losses, OutputLoss):
+        return losses.call(net, module, inputs, target)
+    return net(inputs)
+
+
+def predictions(losses: Mapping | None, out: Any) -> Any:
+    """What the metrics see: the logits under ``loss: from_output``, else the output."""
+    if not isinstance(losses, OutputLoss):
+        return out
+    logits = OutputLoss.logits(out)
+    if logits is None:
+        raise UserError("loss", f"is {FROM_OUTPUT} and the network returned {_shape(out)} "
+                        "without logits, which the metrics need; return (logits, loss) or "
+                        "list no metrics")
+    return logits

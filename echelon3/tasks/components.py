@@ -86,13 +86,16 @@ def build_datasets(cfg, config_dir: Path | None = None, train: bool = True,
 def build_losses(cfg, config_dir: Path | None = None, required: bool = True, device=None):
     """``loss``: [{name: {module, type, config, weight, input_key, target_key}}] ->
     {name: (fn, weight)}, on ``device``; ``input_key`` / ``target_key`` pick one entry of
-    a mapping output / target (:class:`echelon3.data.batches.Keyed`)."""
-    from echelon3.data.batches import Keyed, loss_on_device
+    a mapping output / target (:class:`echelon3.data.batches.Keyed`). ``loss:
+    from_output``: the network's own loss (:class:`echelon3.data.batches.OutputLoss`)."""
+    from echelon3.data.batches import FROM_OUTPUT, Keyed, loss_on_device
 
     if cfg.get("loss") is None:
         if required:
             raise BuildError("loss", "required section missing for 'train'")
         return {}
+    if cfg.loss == FROM_OUTPUT:
+        return output_loss(cfg, config_dir)
     losses = {}
     for name, spec in named_items(cfg.loss, "loss"):
         key = f"loss.{name}"
@@ -107,6 +110,25 @@ def build_losses(cfg, config_dir: Path | None = None, required: bool = True, dev
     if required and not losses:
         raise BuildError("loss", "lists no loss")
     return losses
+
+
+def output_loss(cfg, config_dir: Path | None = None):
+    """``loss: from_output``, checked against the class ``net`` names when it is one (a
+    factory's network is checked at its first forward)."""
+    import inspect
+
+    from echelon3.config.build import resolve_type
+    from echelon3.data.batches import OutputLoss, target_keyword
+
+    net = cfg.get("net")
+    if is_spec(net):
+        made = resolve_type(net, "net", config_dir)
+        forward = getattr(made, "forward", None) if inspect.isclass(made) else None
+        if forward is not None:
+            signature = inspect.signature(forward)  # unbound: without self
+            target_keyword(signature.replace(parameters=list(
+                signature.parameters.values())[1:]), made.__name__)
+    return OutputLoss()
 
 
 KEYS = ("input_key", "target_key")  # a loss or metric reading one entry of a mapping
@@ -136,11 +158,27 @@ def build_metrics(cfg, config_dir: Path | None = None, device=None):
     return metrics
 
 
-def build_optimizer(cfg, params, config_dir: Path | None = None):
-    """``optimizer``: injects ``params=``."""
+def build_optimizer(cfg, params, config_dir: Path | None = None, net=None):
+    """``optimizer``: injects ``params=`` (parameters, or groups of them). With
+    ``optimizer.no_decay`` each group is split into decayed parameters and the rest at
+    ``weight_decay`` 0.0, by ``net``'s names and module types
+    (:mod:`echelon3.optimizers.decay`)."""
+    import logging
+
     if cfg.get("optimizer") is None:
         raise BuildError("optimizer", "required section missing for 'train'")
-    return instantiate(cfg.optimizer, "optimizer", config_dir, params=params)
+    rules = cfg.optimizer.get("no_decay")
+    if rules is None:
+        return instantiate(cfg.optimizer, "optimizer", config_dir, params=params)
+    from echelon3.optimizers.decay import KEY, NoDecay, describe
+
+    if net is None:
+        raise BuildError(KEY, "needs the network, whose parameter names the rules read")
+    groups = NoDecay.from_config(to_plain(rules)).groups(net, params)
+    optimizer = instantiate(cfg.optimizer, "optimizer", config_dir, extra_keys=("no_decay",),
+                            params=groups)
+    logging.getLogger(__name__).info("optimizer.no_decay: %s", describe(optimizer))
+    return optimizer
 
 
 def build_target(cfg, config_dir: Path | None = None):

@@ -110,7 +110,7 @@ def assemble_and_fit(rc: RunConfig, device, launcher, tracker=None):
     losses = components.build_losses(cfg, rc.config_dir, device=device)
     metrics = components.build_metrics(cfg, rc.config_dir, device=device)
     params = strategy.prepare(net, params, device, launcher.world_size, settings)
-    optimizer = components.build_optimizer(cfg, params, rc.config_dir)
+    optimizer = components.build_optimizer(cfg, params, rc.config_dir, net=net)
     scale_group_lrs(optimizer)
     scheduler = schedulers.build(cfg, optimizer, rc.config_dir,
                                  steps_per_epoch=steps_per_epoch(cfg, train_loader),

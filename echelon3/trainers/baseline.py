@@ -138,15 +138,19 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
     # ------------------------------------------------------------------ one micro-batch
 
     def forward_backward(self, batch, scale: float = 1.0) -> dict[str, torch.Tensor]:
-        """The micro-batch's losses x ``scale`` backward: ``{"loss": total, name: part}``."""
+        """The micro-batch's losses x ``scale`` backward: ``{"loss": total, name: part}``.
+        Under ``loss: from_output`` the wrapped network is called with the target and the
+        loss is its own (:class:`echelon3.data.batches.OutputLoss`)."""
+        from echelon3.data.batches import call_net  # kept in this method's own lines
+
         inputs, target = split_batch(batch)
         if self.move:
             inputs, target = to_device((inputs, target), self.device)
         with self.profiler.label("compute"):
             with self.precision.autocast():
                 try:  # a loss's error is marked with its own key first
-                    total, parts = weighted_loss(self.losses, self.net(inputs), target,
-                                                 self.float_labels)
+                    out = call_net(self.net, unwrap(self.net), self.losses, inputs, target)
+                    total, parts = weighted_loss(self.losses, out, target, self.float_labels)
                 except Exception as e:
                     blame(e, "net", "training")
                     raise

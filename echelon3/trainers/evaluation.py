@@ -3,7 +3,9 @@
 The trainer validates through it and ``echelon3 evaluate`` scores a checkpoint
 through it. Under DDP every rank runs its own shard (no sample counted twice)
 and metrics reduce across ranks. A network may return a mapping of outputs; losses and
-metrics then read their entry (``input_key``, :mod:`echelon3.data.batches`).
+metrics then read their entry (``input_key``, :mod:`echelon3.data.batches`). Under
+``loss: from_output`` the network is called with the target, the loss is its own
+(weighted by samples like any other) and the metrics see its logits.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import torch
 from tqdm import tqdm  # not tqdm.auto: its asyncio variant opens every loader twice
 
 from echelon3.config.errors import blame
-from echelon3.data.batches import (batch_size, match_target, raise_named, split_batch, to_device,
-                                   weighted_loss)
+from echelon3.data.batches import (batch_size, call_net, match_target, predictions, raise_named,
+                                   split_batch, to_device, weighted_loss)
 from echelon3.data.samples import naming_bad_labels
-from echelon3.distributed.ranks import all_reduce_sum_, is_main
+from echelon3.distributed.ranks import all_reduce_sum_, is_main, unwrap
 
 
 def metric_name(test_set: str, metric: str, named_sets: bool) -> str:
@@ -33,6 +35,7 @@ def evaluate_sets(net, loaders: Mapping, metrics: Mapping, *, precision, device,
     from echelon3.metrics.base import reduce_and_compute
 
     metric_sets = list(loaders) if metric_sets is None else metric_sets
+    module = unwrap(net)  # whose forward says how it takes the target (loss: from_output)
     was_training = net.training
     net.eval()
     results: dict[str, float] = {}
@@ -47,16 +50,17 @@ def evaluate_sets(net, loaders: Mapping, metrics: Mapping, *, precision, device,
                 inputs, target = to_device(split_batch(batch), device)
                 with precision.autocast():
                     try:
-                        pred = net(inputs)
+                        out = call_net(net, module, losses, inputs, target)
                     except Exception as e:
                         blame(e, "net")
                         raise
                     if losses:
-                        total, _ = weighted_loss(losses, pred, target, float_labels)
+                        total, _ = weighted_loss(losses, out, target, float_labels)
                         loss_sum[0] += total.double() * batch_size(target)
                 loss_sum[1] += batch_size(target)
-                if with_metrics:
-                    update(metrics, *match_target(as_float(pred), target, float_labels))
+                if with_metrics and metrics:
+                    pred = as_float(predictions(losses, out))
+                    update(metrics, *match_target(pred, target, float_labels))
         if losses:
             all_reduce_sum_(loss_sum)
             results[metric_name(set_name, "loss", named_sets)] = (

@@ -1,0 +1,1 @@
+"""Losses a config names by module path (``echelon3.losses.sequence``)."""
