@@ -16,13 +16,16 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import IO, Any, Callable
 
 import torch
 
-from echelon3.config.errors import CheckpointError, write_error
+from echelon3.checkpoints.background import BackgroundWriter
+from echelon3.config.errors import CheckpointError, ConfigError, write_error
 from echelon3.distributed.ranks import is_main
 
 log = logging.getLogger(__name__)
@@ -144,11 +147,17 @@ def load_weights(net, state: dict[str, Any], source: str | os.PathLike) -> None:
 class CheckpointManager:
     """Owns ``target.path``: rolling checkpoints, ``best.tar``, retention and resume."""
 
-    def __init__(self, path: str | os.PathLike, checkpoints_to_keep: int = 2):
+    def __init__(self, path: str | os.PathLike, checkpoints_to_keep: int = 2,
+                 async_save: bool = False):
         if int(checkpoints_to_keep) < 1:
             raise ValueError("checkpoints_to_keep must be at least 1")
+        if not isinstance(async_save, bool):
+            raise ConfigError("target.async_save", f"must be true or false, got {async_save!r}")
         self.path = Path(path)
         self.checkpoints_to_keep = int(checkpoints_to_keep)
+        self.async_save = async_save
+        # Rank 0's writes when async_save (checkpoints/background.py).
+        self.writer = BackgroundWriter()
 
     def rolling(self) -> list[Path]:
         """Rolling checkpoints, newest first."""
@@ -162,23 +171,36 @@ class CheckpointManager:
         """Write ``checkpoint-<epoch>.tar`` and apply retention; returns at once off rank 0.
 
         ``best``: the same state is also the keep-best winner; ``best.tar`` becomes a hard
-        link to this file instead of a second write.
+        link to this file instead of a second write. With ``async_save`` it returns once
+        the state is copied; the write, the link and retention follow in the background.
         """
         if not is_main():
             return
         path = self.path / f"checkpoint-{epoch}.tar"
+        if self.async_save:
+            state = self.writer.copy(state)
+            self.writer.submit(lambda: self._write_checkpoint(state, path, best))
+        else:
+            self._write_checkpoint(state, path, best)
+
+    def _write_checkpoint(self, state: dict[str, Any], path: Path, best: bool) -> None:
         atomic_save(state, path)
         if best:
             self._link_best(path)
+        self._retain()
+
+    def _retain(self) -> None:
         for old in self.rolling():  # mid-epoch ones are superseded by a full epoch
             if "-step" in old.name:
-                old.unlink(missing_ok=True)
+                _remove(old)
         for old in self.rolling()[self.checkpoints_to_keep:]:
-            old.unlink(missing_ok=True)
+            _remove(old)
 
     def save_preempted(self, state: dict[str, Any]) -> Path:
         """Write a mid-epoch ``checkpoint-<epoch>-step<step>.tar``; returns its path (rank 0
-        writes, the others only learn the name)."""
+        writes, the others only learn the name). Synchronous even with ``async_save``
+        (the process exits next): it waits for the write in flight first."""
+        self.wait()
         path = self.path / f"checkpoint-{state['epoch']}-step{state['global_step']}.tar"
         if is_main():
             atomic_save(state, path)
@@ -188,12 +210,33 @@ class CheckpointManager:
         """Write the keep-best winner as ``best.tar``; returns at once off rank 0."""
         if not is_main():
             return
+        if self.async_save:
+            state = self.writer.copy(state)
+            self.writer.submit(lambda: self._write_best(state))
+        else:
+            self._write_best(state)
+
+    def _write_best(self, state: dict[str, Any]) -> None:
         atomic_save(state, self.path / KEPT_BEST)
         self._publish_best()
 
+    def wait(self, alone: bool = False) -> None:
+        """Wait for the save in flight (a no-op when ``async_save`` is off) and raise what
+        its write raised, the error a synchronous save would have raised.
+
+        Every rank calls it (a subclass may finish a save together there). ``alone``: the
+        run is stopping on an error; a failure of the write is logged, not raised.
+        """
+        try:
+            self.writer.wait()
+        except Exception as e:
+            if not alone:
+                raise
+            log.error("the checkpoint written in the background failed: %s", e)
+
     def _link_best(self, source: Path) -> None:
         """Make ``source`` the keep-best winner without writing it again."""
-        tmp = self.path / f".{BEST}.{os.getpid()}.keep.link"
+        tmp = self.path / f".{BEST}.{os.getpid()}.{threading.get_ident()}.keep.link"
         try:
             tmp.unlink(missing_ok=True)
             os.link(source, tmp)
@@ -203,7 +246,7 @@ class CheckpointManager:
         self._publish_best()
 
     def _publish_best(self) -> None:
-        tmp = self.path / f".{BEST}.{os.getpid()}.link"
+        tmp = self.path / f".{BEST}.{os.getpid()}.{threading.get_ident()}.link"
         try:
             tmp.unlink(missing_ok=True)
             os.link(self.path / KEPT_BEST, tmp)
@@ -266,3 +309,11 @@ class CheckpointManager:
         if rolling:
             return rolling[0]
         raise CheckpointError(str(self.path), "no checkpoint to load (train first)")
+
+
+def _remove(path: Path) -> None:
+    """A rolling checkpoint gone: a file, or a sharded checkpoint's folder."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

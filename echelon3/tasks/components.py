@@ -144,13 +144,14 @@ def build_optimizer(cfg, params, config_dir: Path | None = None):
 
 
 def build_target(cfg, config_dir: Path | None = None):
-    """``target``: ``path`` and ``checkpoints_to_keep`` for the checkpoint manager."""
+    """``target``: ``path``, ``checkpoints_to_keep`` and ``async_save`` for the checkpoint
+    manager."""
     target = cfg.get("target")
     if target is None or not target.get("path"):
         raise BuildError("target.path", "required: the directory for checkpoints and results")
     node = to_plain(target)
     if not is_spec(node):
-        known = ("path", "checkpoints_to_keep")
+        known = ("path", "checkpoints_to_keep", "async_save")
         for k in node:
             if k not in known:
                 raise BuildError(f"target.{k}", f"unknown key{did_you_mean(str(k), known)}; "

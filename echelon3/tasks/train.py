@@ -145,7 +145,12 @@ def assemble_and_fit(rc: RunConfig, device, launcher, tracker=None):
         scheduler_interval=schedulers.interval(cfg),
         extra_state=run_record(cfg, fp, split))
     try:
-        trainer.fit()
+        try:
+            trainer.fit()
+        except BaseException:
+            checkpoints.wait(alone=True)  # a background write finishes; the error goes on
+            raise
+        checkpoints.wait()  # the last checkpoint is complete before the summary
     finally:
         logger.close()
     return trainer, int(state["epoch"]) if state is not None else 0
