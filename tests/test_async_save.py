@@ -236,3 +236,68 @@ def test_a_bad_async_save_value_is_one_line_naming_the_key(tmp_path, capsys):
     assert echelon3("train", tmp_path, "target.async_save=3") == 2
     # the pre-flight reads the keyword's annotation, before any process starts
     assert "target.async_save: expected true or false, got 3" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- sharded (FSDP)
+
+def _sharded_worker(rank: int, folder: Path) -> None:
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{folder / 'rendezvous'}", rank=rank,
+                            world_size=2)
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        for unit in (net[0], net[2], net):
+            fully_shard(unit)
+        optimizer = torch.optim.AdamW(net.parameters(), lr=0.1)
+        torch.manual_seed(rank)
+        net(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+
+        def state():
+            return {"model_state_dict": net.state_dict(), "epoch": 1, "global_step": 1,
+                    "metrics": {"accuracy": 0.5}}
+
+        sync = ShardedCheckpoints(folder / "sync")
+        sync.attach(net, optimizer)
+        sync.save_checkpoint(state(), 1, best=True)
+        manager = ShardedCheckpoints(folder / "async", async_save=True)
+        manager.attach(net, optimizer)
+        manager.save_checkpoint(state(), 1, best=True)
+        in_place_before_wait = (folder / "async/checkpoint-1.dcp").exists()
+        # training goes on (its collectives on the default group) while the shards are written
+        net(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+        with torch.no_grad():
+            for param in net.parameters():
+                param.add_(1.0)
+        manager.wait()
+        (folder / f"rank{rank}.json").write_text(json.dumps(in_place_before_wait))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_async_folder_loads_equal_to_the_sync_one(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    mp.spawn(_sharded_worker, args=(tmp_path,), nprocs=2, join=True)
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == \
+        [False, False]  # renamed into place only at wait(), once both ranks had written
+    whole = {}
+    for kind in ("sync", "async"):
+        folder = tmp_path / kind / "checkpoint-1.dcp"
+        dcp_to_torch_save(folder, tmp_path / f"{kind}.pt")
+        whole[kind] = (load(tmp_path / f"{kind}.pt"), load(folder / "state.pt"),
+                       load(tmp_path / kind / "best.tar"))
+        assert sorted(p.name for p in (tmp_path / kind).iterdir()) == \
+            [".best.tar", "best.tar", "checkpoint-1.dcp"]
+    assert whole["sync"][0]["optimizer_state_dict"]["state"]  # AdamW's moments are in
+    for sync, background in zip(whole["sync"], whole["async"]):
+        assert same_nested(sync, background)
