@@ -301,3 +301,60 @@ def test_sharded_async_folder_loads_equal_to_the_sync_one(tmp_path):
     assert whole["sync"][0]["optimizer_state_dict"]["state"]  # AdamW's moments are in
     for sync, background in zip(whole["sync"], whole["async"]):
         assert same_nested(sync, background)
+
+
+def test_a_run_stopped_by_ctrl_c_waits_for_the_write_in_flight(tmp_path, monkeypatch):
+    """The write of checkpoint-1 is held until someone waits for it; Ctrl-C at the start of
+    epoch 2 then returns only once it is on disk (else the folder would be taken back as a
+    run that never reached its first checkpoint)."""
+    from echelon3.trainers.baseline import Trainer
+
+    gate = _Gate()
+    monkeypatch.setattr(files, "atomic_save", gate)
+    real_wait, real_epoch = BackgroundWriter.wait, Trainer._train_epoch
+
+    def wait(self):
+        if self._thread is not None:  # only a wait for a write in flight lets it go on
+            gate.release.set()
+        real_wait(self)
+
+    def epoch(self, index, clock):
+        if index == 1:
+            raise KeyboardInterrupt
+        return real_epoch(self, index, clock)
+
+    monkeypatch.setattr(BackgroundWriter, "wait", wait)
+    monkeypatch.setattr(Trainer, "_train_epoch", epoch)
+    write_config(tmp_path)
+    assert echelon3("train", tmp_path, "target.async_save=true") == 130
+    assert "end checkpoint-1.tar" in gate.events
+    assert load(tmp_path / "out/checkpoint-1.tar")["epoch"] == 1
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+def test_the_benchmark_measures_both_modes_at_1_and_2_ranks_in_its_quick_mode(capsys):
+    from benchmarks import async_save
+
+    assert async_save.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 1 |") or
+            line.startswith("| 2 |")]
+    assert len(rows) == 8  # printed as measured, then in the table
+    assert {(r.split("|")[1].strip(), r.split("|")[2].strip()) for r in rows} == {
+        (n, f"`async_save: {flag}`") for n in ("1", "2") for flag in ("false", "true")}
+
+
+def test_the_page_shows_the_benchmarks_table_between_its_markers():
+    import re
+
+    from benchmarks import async_save
+
+    page = async_save.PAGE.read_text()
+    region = page.split(async_save.START, 1)[1].split(async_save.END, 1)[0].strip().splitlines()
+    assert region[0] == "| ranks | save | training blocked per save | until the file is complete |"
+    assert [line.split("|")[1:3] for line in region[2:6]] == [
+        [f" {n} ", f" `async_save: {flag}` "] for n in (1, 2) for flag in ("false", "true")]
+    assert re.fullmatch(r"Measured \d{4}-\d{2}-\d{2} on \d+ CPU cores \(load average [\d.]+ at "
+                        r"the start, [\d.]+ at the end\), torch \S+: 10\d\.\d M parameters .*",
+                        region[-1])
