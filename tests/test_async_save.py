@@ -53,7 +53,8 @@ def test_an_async_file_loads_equal_to_a_sync_one_and_the_copy_is_taken_first(tmp
         net[0].weight.add_(1.0)
     state["metrics"]["accuracy"] = 0.9
     manager.wait()
-    written, expected = load(tmp_path / "async/checkpoint-1.tar"), load(tmp_path / "sync/checkpoint-1.tar")
+    written = load(tmp_path / "async/checkpoint-1.tar")
+    expected = load(tmp_path / "sync/checkpoint-1.tar")
     assert same_nested(written, expected)
     assert same_nested(load(tmp_path / "async/best.tar"), expected)
     assert os.path.samefile(tmp_path / "async/best.tar", tmp_path / "async/checkpoint-1.tar")
@@ -229,6 +230,16 @@ def test_train_with_async_save_ends_with_the_same_checkpoints(trained):
                     "metrics", "best_metrics"):
             assert same_nested(sync.get(key), background.get(key)), (name, key)
     assert (trained[True] / "summary.json").is_file()
+
+
+def test_async_save_may_change_between_attempts_of_a_run(tmp_path):
+    from omegaconf import OmegaConf
+
+    from echelon3.tasks.identity import fingerprint
+
+    cfg = OmegaConf.load(write_config(tmp_path))
+    toggled = OmegaConf.merge(cfg, {"target": {"async_save": True}})
+    assert fingerprint(cfg) == fingerprint(toggled)
 
 
 def test_a_bad_async_save_value_is_one_line_naming_the_key(tmp_path, capsys):

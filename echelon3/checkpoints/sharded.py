@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from echelon3.checkpoints.consolidate import consolidated
-from echelon3.checkpoints.files import KEPT_BEST, CheckpointManager, atomic_save
+from echelon3.checkpoints.files import CheckpointManager, atomic_save
 from echelon3.config.errors import CheckpointError, write_error
 from echelon3.distributed.ranks import all_gather_object, barrier, is_main, unwrap
 

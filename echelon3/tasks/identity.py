@@ -37,7 +37,7 @@ VOLATILE = ("device", "gpus", "nproc", "device_ids", "mlops", "mlflow", "evaluat
             "trainer.config.compile_mode", "trainer.config.log_every_n_steps",
             "trainer.config.progress_bar", "trainer.config.nan_policy", "trainer.config.profile",
             "trainer.config.extend", "strategy", "fsdp", "activation_checkpointing",
-            "target.path", "target.checkpoints_to_keep", "export")
+            "target.path", "target.checkpoints_to_keep", "target.async_save", "export")
 _LOADER_VOLATILE = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
 ON_CHANGE = ("error", "restart", "resume")
 
