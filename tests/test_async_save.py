@@ -369,3 +369,25 @@ def test_the_page_shows_the_benchmarks_table_between_its_markers():
     assert re.fullmatch(r"Measured \d{4}-\d{2}-\d{2} on \d+ CPU cores \(load average [\d.]+ at "
                         r"the start, [\d.]+ at the end\), torch \S+: 10\d\.\d M parameters .*",
                         region[-1])
+
+
+@pytest.mark.gpu
+def test_gpu_tensors_are_copied_into_pinned_buffers_reused_between_saves(tmp_path):
+    _, _, state = _state()
+    on_gpu = {"model_state_dict": {k: v.cuda() for k, v in state["model_state_dict"].items()},
+              "epoch": 1}
+    writer = BackgroundWriter()
+    first = writer.copy(on_gpu)
+    again = writer.copy(on_gpu)
+    for name, tensor in on_gpu["model_state_dict"].items():
+        copied = again["model_state_dict"][name]
+        assert copied.device.type == "cpu" and copied.is_pinned()
+        assert copied.data_ptr() == first["model_state_dict"][name].data_ptr()
+        assert torch.equal(copied, tensor.cpu())
+    manager = CheckpointManager(tmp_path, async_save=True)
+    manager.save_checkpoint(on_gpu, 1)
+    for tensor in on_gpu["model_state_dict"].values():
+        tensor.add_(1.0)  # on the GPU, right after the save returned
+    manager.wait()
+    assert same_nested(load(tmp_path / "checkpoint-1.tar")["model_state_dict"],
+                       state["model_state_dict"])

@@ -90,10 +90,6 @@ class BackgroundWriter:
         except BaseException as e:  # kept for wait(), raised on the training thread
             self._error = e
 
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def wait(self) -> None:
         """Wait for the write in flight; raise what it raised (once)."""
         thread, self._thread = self._thread, None
