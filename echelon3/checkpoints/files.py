@@ -21,12 +21,14 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import IO, Any, Callable
 
 import torch
 
 from echelon3.checkpoints import aside
+from echelon3.checkpoints.background import BackgroundWriter
 from echelon3.config.errors import CheckpointError, ConfigError, write_error
 from echelon3.distributed.ranks import is_main
 
@@ -75,14 +77,6 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def remove(path: Path) -> None:
-    """Delete a checkpoint, a file or a (sharded) folder."""
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
@@ -159,22 +153,28 @@ class CheckpointManager:
 
     def __init__(self, path: str | os.PathLike, checkpoints_to_keep: int = 2,
                  every_n_steps: int | None = None, every_n_minutes: float | None = None,
-                 step_checkpoints_to_keep: int = 1):
+                 step_checkpoints_to_keep: int = 1, async_save: bool = False):
         for key, value in (("checkpoints_to_keep", checkpoints_to_keep),
                            ("step_checkpoints_to_keep", step_checkpoints_to_keep)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"target.{key}", f"must be an integer >= 1, got {value!r}")
+        if not isinstance(async_save, bool):
+            raise ConfigError("target.async_save", f"must be true or false, got {async_save!r}")
         self.path = Path(path)
         self.checkpoints_to_keep = int(checkpoints_to_keep)
         # When the trainer writes step checkpoints (echelon3.trainers.step_checkpoints).
         self.every_n_steps, self.every_n_minutes = every_n_steps, every_n_minutes
         self.step_checkpoints_to_keep = int(step_checkpoints_to_keep)
+        self.async_save = async_save
+        # Rank 0's writes when async_save (checkpoints/background.py).
+        self.writer = BackgroundWriter()
 
     def settings(self) -> dict[str, Any]:
         """The constructor's arguments but ``path`` (what a manager of another kind copies)."""
         return {"checkpoints_to_keep": self.checkpoints_to_keep,
                 "every_n_steps": self.every_n_steps, "every_n_minutes": self.every_n_minutes,
-                "step_checkpoints_to_keep": self.step_checkpoints_to_keep}
+                "step_checkpoints_to_keep": self.step_checkpoints_to_keep,
+                "async_save": self.async_save}
 
     def rolling(self) -> list[Path]:
         """Rolling checkpoints, newest first."""
@@ -188,50 +188,97 @@ class CheckpointManager:
         """Write ``checkpoint-<epoch>.tar`` and apply retention; returns at once off rank 0.
 
         ``best``: the same state is also the keep-best winner; ``best.tar`` becomes a hard
-        link to this file instead of a second write.
+        link to this file instead of a second write. With ``async_save`` it returns once
+        the state is copied; the write, the link and retention follow in the background.
         """
         if not is_main():
             return
         path = self.path / f"checkpoint-{epoch}.tar"
+        if self.async_save:
+            state = self.writer.copy(state)
+            self.writer.submit(lambda: self._write_checkpoint(state, path, best))
+        else:
+            self._write_checkpoint(state, path, best)
+
+    def _write_checkpoint(self, state: dict[str, Any], path: Path, best: bool) -> None:
         atomic_save(state, path)
         aside.drop_passed(self.path, path)
         if best:
             self._link_best(path)
+        self._retain()
+
+    def _retain(self) -> None:
         for old in self.rolling():  # mid-epoch ones are superseded by a full epoch
             if "-step" in old.name:
-                old.unlink(missing_ok=True)
+                _remove(old)
         for old in self.rolling()[self.checkpoints_to_keep:]:
-            old.unlink(missing_ok=True)
+            _remove(old)
 
     def save_preempted(self, state: dict[str, Any]) -> Path:
         """Write a mid-epoch ``checkpoint-<epoch>-step<step>.tar``; returns its path (rank 0
-        writes, the others only learn the name)."""
+        writes, the others only learn the name). Synchronous even with ``async_save``
+        (the process exits next): it waits for the write in flight first."""
+        self.wait()
         path = self.path / f"checkpoint-{state['epoch']}-step{state['global_step']}.tar"
         if is_main():
             atomic_save(state, path)
         return path
 
     def save_step(self, state: dict[str, Any]) -> Path:
-        """A rolling mid-epoch checkpoint (as :meth:`save_preempted`), then retention: the
-        newest ``step_checkpoints_to_keep`` mid-epoch ones stay."""
-        path = self.save_preempted(state)
-        if is_main():
-            aside.drop_passed(self.path, path)
-            for old in [p for p in self.rolling() if "-step" in p.name][
-                    self.step_checkpoints_to_keep:]:
-                remove(old)
+        """A rolling mid-epoch checkpoint (named as :meth:`save_preempted`'s); then
+        retention: the newest ``step_checkpoints_to_keep`` mid-epoch ones stay. With
+        ``async_save`` it returns once the state is copied."""
+        path = self.path / f"checkpoint-{state['epoch']}-step{state['global_step']}.tar"
+        if not self.async_save:
+            self.save_preempted(state)
+            if is_main():
+                self._retain_steps(path)
+        elif is_main():
+            state = self.writer.copy(state)
+            self.writer.submit(lambda: self._write_step(state, path))
         return path
+
+    def _write_step(self, state: dict[str, Any], path: Path) -> None:
+        atomic_save(state, path)
+        self._retain_steps(path)
+
+    def _retain_steps(self, written: Path) -> None:
+        aside.drop_passed(self.path, written)
+        for old in [p for p in self.rolling() if "-step" in p.name][
+                self.step_checkpoints_to_keep:]:
+            _remove(old)
 
     def save_best(self, state: dict[str, Any]) -> None:
         """Write the keep-best winner as ``best.tar``; returns at once off rank 0."""
         if not is_main():
             return
+        if self.async_save:
+            state = self.writer.copy(state)
+            self.writer.submit(lambda: self._write_best(state))
+        else:
+            self._write_best(state)
+
+    def _write_best(self, state: dict[str, Any]) -> None:
         atomic_save(state, self.path / KEPT_BEST)
         self._publish_best()
 
+    def wait(self, alone: bool = False) -> None:
+        """Wait for the save in flight (a no-op when ``async_save`` is off) and raise what
+        its write raised, the error a synchronous save would have raised.
+
+        Every rank calls it (a subclass may finish a save together there). ``alone``: the
+        run is stopping on an error; a failure of the write is logged, not raised.
+        """
+        try:
+            self.writer.wait()
+        except Exception as e:
+            if not alone:
+                raise
+            log.error("the checkpoint written in the background failed: %s", e)
+
     def _link_best(self, source: Path) -> None:
         """Make ``source`` the keep-best winner without writing it again."""
-        tmp = self.path / f".{BEST}.{os.getpid()}.keep.link"
+        tmp = self.path / f".{BEST}.{os.getpid()}.{threading.get_ident()}.keep.link"
         try:
             tmp.unlink(missing_ok=True)
             os.link(source, tmp)
@@ -241,7 +288,7 @@ class CheckpointManager:
         self._publish_best()
 
     def _publish_best(self) -> None:
-        tmp = self.path / f".{BEST}.{os.getpid()}.link"
+        tmp = self.path / f".{BEST}.{os.getpid()}.{threading.get_ident()}.link"
         try:
             tmp.unlink(missing_ok=True)
             os.link(self.path / KEPT_BEST, tmp)
@@ -304,3 +351,11 @@ class CheckpointManager:
         if rolling:
             return rolling[0]
         raise CheckpointError(str(self.path), "no checkpoint to load (train first)")
+
+
+def _remove(path: Path) -> None:
+    """A rolling checkpoint gone: a file, or a sharded checkpoint's folder."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

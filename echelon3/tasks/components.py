@@ -182,14 +182,15 @@ def build_optimizer(cfg, params, config_dir: Path | None = None, net=None):
 
 
 def build_target(cfg, config_dir: Path | None = None):
-    """``target``: ``path``, retention and step checkpoints for the checkpoint manager."""
+    """``target``: ``path``, retention, step checkpoints and ``async_save`` for the
+    checkpoint manager."""
     target = cfg.get("target")
     if target is None or not target.get("path"):
         raise BuildError("target.path", "required: the directory for checkpoints and results")
     node = to_plain(target)
     if not is_spec(node):
         known = ("path", "checkpoints_to_keep", "every_n_steps", "every_n_minutes",
-                 "step_checkpoints_to_keep")
+                 "step_checkpoints_to_keep", "async_save")
         for k in node:
             if k not in known:
                 raise BuildError(f"target.{k}", f"unknown key{did_you_mean(str(k), known)}; "

@@ -153,7 +153,12 @@ def assemble_and_fit(rc: RunConfig, device, launcher, tracker=None):
         extra_state=run_record(cfg, fp, split))
     trainer.resumed_from = path  # said in the summary
     try:
-        trainer.fit()
+        try:
+            trainer.fit()
+        except BaseException:
+            checkpoints.wait(alone=True)  # a background write finishes; the error goes on
+            raise
+        checkpoints.wait()  # the last checkpoint is complete before the summary
     finally:
         logger.close()
     return trainer, (int(state["epoch"]), int(state["global_step"])) if state is not None \
