@@ -10,6 +10,12 @@ loader worker every training sample is loaded with the worker's generators
 seeded from (seed, epoch, index) (:class:`SeededDataset`), so its random
 augmentations do not depend on which worker loads it (see :mod:`echelon3.data.rng`).
 Evaluation shards by stride without padding, so no sample is counted twice.
+
+A dataset that is an ``IterableDataset`` (a *stream*, :mod:`echelon3.data.streams`)
+takes no sampler: it is told its rank (``set_shard``) and shards itself over ranks x
+loader workers. Its train loader, when the spec is the default
+``torch.utils.data.DataLoader``, is torchdata's ``StatefulDataLoader``, whose position
+goes into a checkpoint; a loader type of the user's own is kept, without a position.
 """
 
 from __future__ import annotations
@@ -19,15 +25,17 @@ import itertools
 import logging
 import signal
 import sys
+import warnings
 from typing import Any, Iterator, Mapping
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
 from echelon3.config.build import instantiate, is_spec, to_plain
-from echelon3.config.errors import BatchSizeError, BuildError
+from echelon3.config.errors import BatchSizeError, BuildError, ConfigError
 from echelon3.data.rng import seed_sample
 from echelon3.data.samples import GuardedCollate, GuardedDataset
+from echelon3.data.streams import STATEFUL_MODULE, STATEFUL_TYPE, Stream
 
 log = logging.getLogger(__name__)
 
@@ -145,10 +153,16 @@ def available_memory_bytes() -> int | None:
 
 def report_prefetch(name: str, dataset: Dataset, world_size: int, num_workers: int,
                     prefetch_factor: int, batch: int) -> int:
-    """Print (rank 0) how many batches sit in host RAM at once and what they cost."""
+    """Print (rank 0) how many batches sit in host RAM at once and what they cost (not
+    for a stream, whose first sample is not read ahead of time)."""
+    batches = world_size * num_workers * prefetch_factor
+    if isinstance(dataset, IterableDataset):
+        if num_workers:
+            log.info("dataloaders.%s: %d ranks x %d workers x prefetch %d = %d batches of %d "
+                     "in flight", name, world_size, num_workers, prefetch_factor, batches, batch)
+        return 0
     if num_workers == 0 or len(dataset) == 0:
         return 0
-    batches = world_size * num_workers * prefetch_factor
     estimate = batches * batch * _sample_bytes(dataset[0])
     log.info("dataloaders.%s: %d ranks x %d workers x prefetch %d = %d batches of %d in flight, "
              "about %.1f MiB of host RAM", name, world_size, num_workers, prefetch_factor,
@@ -175,15 +189,15 @@ def create_dataloader(name: str, spec: Mapping, dataset: Dataset, *, train: bool
             raise BuildError(f"{key}.config.{injected}", "is set by echelon3; remove it")
     batch = per_rank_batch(config.get("batch_size", 1), world_size,
                            f"{key}.config.batch_size")
+    if isinstance(dataset, IterableDataset) and "shuffle" in config:
+        raise ConfigError(f"{key}.config.shuffle", "a stream (IterableDataset) orders its own "
+                          "samples (data.*.config); remove it")
     shuffle = bool(config.pop("shuffle", train))
     drop_last = bool(config.pop("drop_last", False))
-    if train:
-        sampler = TrainSampler(dataset, num_replicas=world_size, rank=rank,
-                               shuffle=shuffle, seed=seed, drop_last=drop_last)
-        if not isinstance(dataset, IterableDataset):
-            dataset = sampler.seeded = SeededDataset(dataset, seed)
-    else:
-        sampler = ShardSampler(dataset, world_size, rank)
+    dataset, sampler, spec = _sampler_for(dataset, spec, name, train=train, rank=rank,
+                                          world_size=world_size, seed=seed, shuffle=shuffle,
+                                          drop_last=drop_last, data_key=data_key,
+                                          workers=int(config.get("num_workers", 0)))
     config.update(batch_size=batch, drop_last=drop_last if train else False)
     if not isinstance(dataset, IterableDataset):
         dataset = GuardedDataset(dataset, data_key)
@@ -209,13 +223,54 @@ def create_dataloader(name: str, spec: Mapping, dataset: Dataset, *, train: bool
         # the same whether the loader is new (a resumed run) or persistent workers carry on
         # (a straight one), and a validation does not change the dropout masks after it.
         injected["generator"] = torch.Generator().manual_seed(int(seed))
-    return instantiate(spec, key, config_dir, dataset=dataset, sampler=sampler, **injected)
+    if sampler is not None:
+        injected["sampler"] = sampler
+    with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch function
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        return instantiate(spec, key, config_dir, dataset=dataset, **injected)
+
+
+def _sampler_for(dataset: Dataset, spec: Mapping, name: str, *, train: bool, rank: int,
+                 world_size: int, seed: int, shuffle: bool, drop_last: bool, data_key: str,
+                 workers: int) -> tuple[Dataset, Sampler | None, Mapping]:
+    """(dataset, sampler, loader spec): a map-style set gets its sampler (and, to train,
+    per-sample seeds); a stream none, and to train a StatefulDataLoader for the default."""
+    if isinstance(dataset, IterableDataset):
+        _prepare_stream(dataset, name, rank, world_size, seed, workers, data_key)
+        if train and (spec["module"], spec["type"]) == ("torch.utils.data", "DataLoader"):
+            spec = {**spec, "module": STATEFUL_MODULE, "type": STATEFUL_TYPE}
+        return dataset, None, spec
+    if not train:
+        return dataset, ShardSampler(dataset, world_size, rank), spec
+    sampler = TrainSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
+                           seed=seed, drop_last=drop_last)
+    sampler.seeded = SeededDataset(dataset, seed)
+    return sampler.seeded, sampler, spec
+
+
+def _prepare_stream(dataset: IterableDataset, name: str, rank: int, world_size: int,
+                    seed: int, workers: int, data_key: str) -> None:
+    """Tell a stream its rank (and root ``seed`` when it has none of its own); warn when an
+    IterableDataset that shards nothing is read by several ranks or workers."""
+    if isinstance(dataset, Stream) and dataset.seed is None:
+        dataset.seed = int(seed)
+    if callable(getattr(dataset, "set_shard", None)):
+        dataset.set_shard(rank, world_size)
+    elif (world_size > 1 or workers > 0) and rank == 0:
+        log.warning("%s is an IterableDataset without set_shard: each of the %d ranks x %d "
+                    "workers of dataloaders.%s reads all of it unless it shards itself "
+                    "(echelon3.data.streams.shard_info or Stream)", data_key, world_size,
+                    max(workers, 1), name)
 
 
 def set_epoch(loader: DataLoader, epoch: int) -> None:
+    """Tell the sampler (map-style) or the stream (IterableDataset) which epoch comes next."""
     sampler = getattr(loader, "sampler", None)
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(dataset, IterableDataset) and hasattr(dataset, "set_epoch"):
+        dataset.set_epoch(epoch)
 
 
 def known_length(loader) -> int | None:
@@ -253,9 +308,13 @@ def limit_batches(loaders: Mapping[str, Any], limit: int | None) -> dict[str, An
 
 
 def skip_batches(loader: DataLoader, batches: int) -> None:
-    """Make the loader's next epoch start after its first ``batches`` batches."""
+    """Make the loader's next epoch start after its first ``batches`` batches (map-style
+    sets; a stream resumes with :func:`echelon3.data.streams.resume_position`)."""
     if batches <= 0:
         return
+    if isinstance(getattr(loader, "dataset", None), IterableDataset):
+        raise TypeError("a stream (IterableDataset) cannot skip batches; restore its "
+                        "position with echelon3.data.streams.resume_position")
     sampler = getattr(loader, "sampler", None)
     if not isinstance(sampler, TrainSampler):
         raise TypeError("only a train loader built by echelon3 can start part-way")
