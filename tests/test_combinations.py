@@ -1,6 +1,9 @@
 """Where the trainer's features meet: precision x grad_accum_steps x nan_policy (with a
 planted NaN) x interruption x loader workers x ranks x recipe (``full``: warmup then
-cosine stepped per optimizer step, gradient clipping, EMA weights, early stopping). Each combination, interrupted and
+cosine stepped per optimizer step, gradient clipping, EMA weights, early stopping) x length
+(``steps``: ``max_steps`` ending inside an epoch, validation every N steps, a step
+checkpoint after every step) x data (``stream``: an IterableDataset through torchdata's
+StatefulDataLoader, whose sample ids the resumed attempt must read on exactly). Each combination, interrupted and
 resumed, must end exactly as the uninterrupted run: the same exit code, the same epoch
 checkpoints, their weights, optimizer state and GradScaler state bit for bit, and the same
 history. (Nothing here changes a reduction order: a mid-window checkpoint carries each
@@ -30,6 +33,7 @@ from tests.helpers import echelon3, load, same_nested, write_config
 EPOCHS = 2
 STEPS = 6  # micro-batches per epoch: 48 samples, global batch 8
 SIGNAL_AT = STEPS + 2  # epoch 2, micro-batch 2: inside a window of 3
+STEPS_RUN = 2 * STEPS + 3  # micro-batches of a run counted in steps (length: steps)
 NAN_AT = {"skip": 4, "stop": STEPS + 4}  # stop: after the interruption, so both happen
 RESUBMIT, KILLED = 75, (-9, 1)  # one process dies of SIGKILL; the launcher reports 1
 
@@ -47,13 +51,16 @@ FULL_RECIPE = {
 
 
 def config(folder: Path, precision: str, accum: int, nan: str, workers: int,
-           persistent: bool, recipe: str = "plain") -> None:
-    loader = {"batch_size": 8, "shuffle": True, "drop_last": True, "num_workers": workers}
+           persistent: bool, recipe: str = "plain", length: str = "epochs",
+           data: str = "map") -> None:
+    loader = {"batch_size": 8, "drop_last": True, "num_workers": workers,
+              **({"shuffle": True} if data == "map" else {})}
     if workers:
         loader["persistent_workers"] = persistent
     updates = {
         "net": {"module": "tests.combo", "type": "ComboNet", "config": {"hidden": 16}},
-        "data": {"train": {"module": "tests.combo", "type": "NoisyBlobs",
+        "data": {"train": {"module": "tests.combo",
+                           "type": "NoisyBlobs" if data == "map" else "StreamBlobs",
                            "config": {"size": 48}},
                  "test": {"module": "tests.combo", "type": "NoisyBlobs",
                           "config": {"size": 24, "seed": 1}}},
@@ -66,10 +73,15 @@ def config(folder: Path, precision: str, accum: int, nan: str, workers: int,
                                "grad_accum_steps": accum, "nan_policy": nan,
                                "log_every_n_steps": 2}},
     }
+    if length == "steps":  # ends inside epoch 3; a step checkpoint after every step
+        updates["trainer"]["config"].update(epochs=None, max_steps=STEPS_RUN // accum,
+                                            val_check_interval=max(2, 5 // accum))
+        updates["target"] = {"every_n_steps": 1}
     if recipe == "full":
         updates = OmegaConf.to_container(OmegaConf.merge(updates, FULL_RECIPE))
-    write_config(folder, updates, remove=("net", "data", *(("scheduler",) if recipe == "full"
-                                                          else ())))
+    remove = ("net", "data", *(("scheduler",) if recipe == "full" else ()),
+              *(("dataloaders.train.config.shuffle",) if data == "stream" else ()))
+    write_config(folder, updates, remove=remove)
 
 
 def train(folder: Path, ranks: int, env: dict) -> int:
@@ -89,8 +101,10 @@ def train(folder: Path, ranks: int, env: dict) -> int:
     return result.returncode
 
 
-def outcome(out: Path) -> dict:
-    names = sorted(p.name for p in out.glob("checkpoint-*.tar") if "-step" not in p.name)
+def outcome(out: Path, steps: bool) -> dict:
+    """The run's checkpoints (``steps``: its step checkpoints too; else a preemption's,
+    which a run stopped by a NaN after it leaves behind, are not compared)."""
+    names = sorted(p.name for p in out.glob("checkpoint-*.tar") if steps or "-step" not in p.name)
     states = {name: load(out / name) for name in names}
     records = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     return {
@@ -105,18 +119,32 @@ def outcome(out: Path) -> dict:
     }
 
 
+def ids_seen(prefix: Path, ranks: int) -> list[list[int]]:
+    """Each rank's training sample ids, in order (and the files emptied)."""
+    out = []
+    for rank in range(ranks):
+        path = Path(f"{prefix}.{rank}")
+        out.append([int(n) for n in path.read_text().split()] if path.exists() else [])
+        path.unlink(missing_ok=True)
+    return out
+
+
 def run_combination(tmp: Path, precision, accum, nan, interrupt, workers, ranks,
-                    recipe) -> None:
-    persistent = accum == 3  # persistent workers in half of the worker runs
-    env = {"COMBO_NAN_AT": str(NAN_AT[nan]), "COMBO_SIGNAL_AT": "0"}
+                    recipe, length="epochs", data="map") -> None:
+    persistent = accum == 3 and data == "map"  # persistent workers in some worker runs
+    ids = tmp / "ids"
+    env = {"COMBO_NAN_AT": str(NAN_AT[nan]), "COMBO_SIGNAL_AT": "0", "COMBO_IDS": str(ids)}
     straight, cut = tmp / "straight", tmp / "cut"
     for folder in (straight, cut):
-        config(folder, precision, accum, nan, workers, persistent, recipe)
+        config(folder, precision, accum, nan, workers, persistent, recipe, length, data)
     expected = 2 if nan == "stop" else 0  # the planted NaN stops the run, or is skipped
     assert train(straight, ranks, env) == expected
+    assert (straight / "out" / "checkpoint-1.tar").exists()  # the NaN comes in epoch 2
+    straight_ids = ids_seen(ids, ranks)
     signal_env = {**env, "COMBO_SIGNAL_AT": str(SIGNAL_AT), "COMBO_SIGNAL": interrupt.upper(),
                   "COMBO_MARKER": str(tmp / "signalled")}
     first = train(cut, ranks, signal_env)
+    first_ids = ids_seen(ids, ranks)
     assert (tmp / "signalled").exists()
     if interrupt == "usr1":
         assert first == RESUBMIT
@@ -124,9 +152,14 @@ def run_combination(tmp: Path, precision, accum, nan, interrupt, workers, ranks,
     else:
         assert first in KILLED
     assert train(cut, ranks, signal_env) == expected
-    a, b = outcome(straight / "out"), outcome(cut / "out")
-    assert a["checkpoints"] == b["checkpoints"] == [f"checkpoint-{e}.tar" for e in
-                                                   range(1, EPOCHS + (expected == 0))]
+    if data == "stream":  # the resumed attempt reads on exactly where the checkpoint stood
+        for whole, before, after in zip(straight_ids, first_ids, ids_seen(ids, ranks)):
+            done = len(whole) - len(after)
+            assert after and before[:done] == whole[:done] and after == whole[done:]
+    a, b = (outcome(run / "out", length == "steps") for run in (straight, cut))
+    assert a["checkpoints"] == b["checkpoints"]
+    assert [n for n in a["checkpoints"] if "-step" not in n] == [
+        f"checkpoint-{e}.tar" for e in range(1, EPOCHS + (expected == 0))]
     for key in ("steps", "weights", "training weights", "optimizer", "scaler", "scheduler"):
         assert same_nested(a[key], b[key]), key
     assert a["history"] == b["history"]
@@ -136,16 +169,18 @@ def run_combination(tmp: Path, precision, accum, nan, interrupt, workers, ranks,
 
 FACTORS = {"precision": ("fp32", "bf16", "fp16"), "accum": (1, 3), "nan": ("stop", "skip"),
            "interrupt": ("usr1", "kill"), "workers": (0, 2), "ranks": (1, 2),
-           "recipe": ("plain", "full")}
+           "recipe": ("plain", "full"), "length": ("epochs", "steps"),
+           "data": ("map", "stream")}
 # Every pair of values of any two factors appears in one of these rows.
 PAIRWISE = [
-    ("fp32", 1, "stop", "usr1", 0, 1, "plain"),
-    ("fp32", 3, "skip", "kill", 2, 2, "full"),
-    ("bf16", 1, "skip", "kill", 0, 2, "plain"),
-    ("bf16", 3, "stop", "usr1", 2, 1, "full"),
-    ("fp16", 1, "stop", "kill", 2, 2, "full"),
-    ("fp16", 3, "skip", "kill", 0, 1, "full"),
-    ("fp16", 3, "skip", "usr1", 2, 2, "plain"),
+    ("fp32", 1, "stop", "usr1", 0, 1, "plain", "steps", "stream"),
+    ("fp32", 3, "skip", "kill", 2, 2, "full", "epochs", "map"),
+    ("bf16", 1, "skip", "kill", 0, 2, "plain", "epochs", "map"),
+    ("bf16", 3, "stop", "usr1", 2, 1, "full", "steps", "stream"),
+    ("fp16", 1, "stop", "kill", 2, 2, "full", "epochs", "stream"),
+    ("fp16", 3, "skip", "kill", 0, 1, "full", "steps", "map"),
+    ("fp16", 3, "skip", "usr1", 2, 2, "plain", "steps", "stream"),
+    ("fp32", 1, "stop", "usr1", 0, 1, "plain", "epochs", "map"),
 ]
 FULL = [row for row in itertools.product(*FACTORS.values()) if row not in PAIRWISE]
 
