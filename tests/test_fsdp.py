@@ -232,6 +232,23 @@ def test_killed_two_rank_fsdp_resumes_from_its_last_complete_checkpoint(runs, tm
     assert all(torch.equal(mine[k], ref[k]) for k in ref)
 
 
+def test_killed_two_rank_fsdp_resumes_from_its_step_checkpoint(runs, tmp_path):
+    """SIGKILL with step checkpoints (target.every_n_steps: 1): at most one step is lost."""
+    _config(tmp_path, net={"fail_on_rank": 1, "fail_at_step": STEPS + 2, "kill": True})
+    result = run_cli(["train", "-cd", str(tmp_path), "-cn", "probe", "nproc=2",
+                      "+target.every_n_steps=1"], timeout=TIMEOUT)
+    assert result.returncode != 0
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == [
+        "checkpoint-1-step7.dcp", "checkpoint-1.dcp"]
+    second = _train(tmp_path, 2, "net.config.fail_on_rank=null", "on_config_change=resume",
+                    "+target.every_n_steps=1")
+    assert "checkpoint-1-step7.dcp was made by a different config; resuming" in second.stderr
+    mine, ref = _weights(tmp_path), _weights(runs["fsdp"])
+    assert all(torch.equal(mine[k], ref[k]) for k in ref)
+    assert _history(tmp_path) == _history(runs["fsdp"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("first,then", [("ddp", "fsdp"), ("fsdp", "ddp")])
 def test_a_run_continues_under_the_other_strategy(runs, tmp_path, first, then):
