@@ -61,8 +61,12 @@ def rows(folder: Path) -> list[str]:
     for name in config["experiments"]:
         summary = json.loads((folder / "results" / name / "summary.json").read_text())
         metrics = json.loads((folder / "results" / name / "metrics.json").read_text())
-        lines.append(f"| `{name}` ({summary['epochs']} epochs) | {summary['elapsed_s']:.0f} s "
-                     f"| {metrics['accuracy']:.4f} | {summary['best']['epoch']} |")
+        steps = "max_steps" in summary  # a run counted in steps
+        length = f"{summary['steps']} steps" if steps else f"{summary['epochs']} epochs"
+        best = f"{summary['best']['epoch']} (step {summary['best']['step']})" if steps \
+            else summary["best"]["epoch"]
+        lines.append(f"| `{name}` ({length}) | {summary['elapsed_s']:.0f} s "
+                     f"| {metrics['accuracy']:.4f} | {best} |")
     return lines
 
 

@@ -38,13 +38,18 @@ def test_readme_table_is_the_scripts_output_between_its_markers():
 def test_the_script_writes_what_the_runs_left(tmp_path):
     figures = script()
     (tmp_path / "config").mkdir()
-    (tmp_path / "config/config.yaml").write_text(yaml.safe_dump({"experiments": {"a": {}}}))
-    (tmp_path / "results/a").mkdir(parents=True)
-    (tmp_path / "results/a/summary.json").write_text(json.dumps(
-        {"epochs": 10, "elapsed_s": 12.4, "best": {"epoch": 7}}))
-    (tmp_path / "results/a/metrics.json").write_text(json.dumps({"accuracy": 0.99555}))
+    (tmp_path / "config/config.yaml").write_text(yaml.safe_dump({"experiments": {"a": {},
+                                                                                 "b": {}}}))
+    for name, summary in (("a", {"epochs": 10, "elapsed_s": 12.4, "best": {"epoch": 7}}),
+                          ("b", {"epochs": 2, "steps": 40, "max_steps": 40, "elapsed_s": 3.1,
+                                 "best": {"epoch": 3, "step": 40}})):
+        (tmp_path / "results" / name).mkdir(parents=True)
+        (tmp_path / "results" / name / "summary.json").write_text(json.dumps(summary))
+        (tmp_path / "results" / name / "metrics.json").write_text(json.dumps(
+            {"accuracy": 0.99555}))
     text = figures.table(tmp_path, 31.2, 20.4, (1.25, 3.5))
     assert "| `a` (10 epochs) | 12 s | 0.9956 | 7 |" in text
+    assert "| `b` (40 steps) | 3 s | 0.9956 | 3 (step 40) |" in text  # counted in steps
     assert "(load average 1.2 at the start, 3.5 at the end)" in text
     assert "| 31 s in all (20 s of CPU) |" in text
     readme = tmp_path / "README.md"

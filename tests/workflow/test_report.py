@@ -166,6 +166,11 @@ def test_a_validation_in_the_middle_of_an_epoch_sits_there_and_so_does_its_best(
     lines = {line.get_label(): line for line in metric_ax.lines}
     assert list(lines["accuracy"].get_xdata()) == [0.5, 1, 1.5, 2, 2.5, 3]
     assert list(lines["best.tar: epoch 2"].get_xdata()) == [1.5, 1.5]
+    steps = report_plots.draw_curves("exp", records, best_epoch=2, best_step=6, by_steps=True)
+    lines = {line.get_label(): line for line in steps.axes[1].lines}  # a run counted in steps
+    assert list(lines["accuracy"].get_xdata()) == [2, 4, 6, 8, 10, 12]
+    assert list(lines["best.tar: step 6"].get_xdata()) == [6, 6]
+    assert steps.axes[0].get_xlabel() == "step"
     child = [{"split": "val", "epoch": 1, "step": 4, "loss": 0.1, "accuracy": 0.99}]
     fig = report_plots.draw_curves("ft", child, best_epoch=1, best_step=4,
                                    parent=("base", records, {"epoch": 2, "step": 6}))

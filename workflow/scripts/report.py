@@ -60,6 +60,15 @@ def read_metrics(path):
         raise ValueError(f"{path}: every value must be a number ({e})") from e
 
 
+def counted_in_steps(path):
+    """Whether summary.json says the run was counted in steps (``max_steps``)."""
+    try:
+        with open(path) as f:
+            return "max_steps" in json.load(f)
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def read_summary(path):
     """summary.json's `best` record ({} when missing or unreadable)."""
     if path is None:
@@ -281,12 +290,13 @@ def main(smk):
             for name, history, summary in zip(experiments, smk.params.histories,
                                               smk.input.summaries)}
     parents = getattr(smk.params, "parents", {}) or {}
-    for name, png in zip(experiments, smk.output.curves):
+    for name, png, summary in zip(experiments, smk.output.curves, smk.input.summaries):
         records, best = runs[name]
         parent = parents.get(name)
         chain = (parent, *runs[parent]) if parent in runs else None
         save(draw_curves(name, records, best.get("epoch"), best.get(SELECTED_ON, "test"),
-                         parent=chain, best_step=best.get("step")), png)
+                         parent=chain, best_step=best.get("step"),
+                         by_steps=counted_in_steps(summary)), png)
     log_curves([read_run(s) for s in smk.input.summaries], smk.output.curves)
     save(draw_metrics(table, columns, ranking, higher), smk.output.bars)
     for (name, sweep), png in zip(smk.params.sweeps.items(), smk.output.sweeps):

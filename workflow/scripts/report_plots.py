@@ -44,16 +44,22 @@ def _at(epoch, step, ends):
     return epoch - 1 + (step - start) / max(ends[epoch] - start, 1)
 
 
-def _train_points(train, ends):
-    """(fractional epoch, loss) of each train record."""
-    return [(_at(r["epoch"], r["step"], ends), r["loss"]) for r in train]
+def _at_step(epoch, step, ends):
+    """A run counted in steps (``max_steps``): its records sit at their optimizer step."""
+    return step if step is not None else 0
 
 
-def _mark_best(ax, best_epoch, at, offset=0):
+def _train_points(train, ends, at=_at):
+    """(fractional epoch, or step, loss) of each train record."""
+    return [(at(r["epoch"], r["step"], ends), r["loss"]) for r in train]
+
+
+def _mark_best(ax, best_epoch, at, offset=0, best_step=None, by_steps=False):
     if best_epoch is None:
         return
+    what = f"step {best_step}" if by_steps else f"epoch {best_epoch}"
     ax.axvline(at + offset, color="tab:red", ls="--", lw=1, alpha=0.8,
-               label=f"best.tar: epoch {best_epoch}")
+               label=f"best.tar: {what}")
 
 
 def _keep_span(ax, values):
@@ -85,7 +91,7 @@ def _split(records):
     return train, val, keys
 
 
-def _draw_parent(loss_ax, metric_ax, parent):
+def _draw_parent(loss_ax, metric_ax, parent, at=_at):
     """The parent's curves up to the epoch of its best.tar, which the child starts from;
     that epoch (the child's x offset), or 0 without a parent."""
     if parent is None:
@@ -94,15 +100,15 @@ def _draw_parent(loss_ax, metric_ax, parent):
     if best.get("epoch") is None:
         return 0
     ends = _epoch_ends(records)
-    start = _at(best["epoch"], best.get("step"), ends)
+    start = at(best["epoch"], best.get("step"), ends)
     kept = [r for r in records if r.get("epoch", 0) <= best["epoch"]
             and (best.get("step") is None or r.get("step", 0) <= best["step"])]
     train, val, keys = _split(kept)
     if train:
-        loss_ax.plot(*zip(*_train_points(train, ends)), lw=1, color="0.6",
+        loss_ax.plot(*zip(*_train_points(train, ends, at)), lw=1, color="0.6",
                      label=f"{name}: train")
     for key in keys:
-        points = [(_at(r["epoch"], r.get("step"), ends), r[key]) for r in val
+        points = [(at(r["epoch"], r.get("step"), ends), r[key]) for r in val
                   if isinstance(r.get(key), (int, float))]
         if points:
             ax = loss_ax if _is_loss(key) else metric_ax
@@ -119,23 +125,27 @@ def save(fig, path):
     plt.close(fig)
 
 
-def draw_curves(name, records, best_epoch, selected_on="val", parent=None, best_step=None):
+def draw_curves(name, records, best_epoch, selected_on="val", parent=None, best_step=None,
+                by_steps=False):
     """Losses (train, running mean per logged step; validation at its step) on the left,
     validation metrics on the right, each on its own labelled axis; best.tar (summary's
     best epoch and step) marked on both. `selected_on: test`: the curves say test, not
     validation. `parent`: (name, records, summary's best) of the run this one was
-    fine-tuned from."""
+    fine-tuned from. `by_steps`: a run counted in steps (``max_steps``), drawn against
+    optimizer steps instead of epochs."""
     train, val, keys = _split(records)
     ends = _epoch_ends(records)
+    at = _at_step if by_steps else _at
+    unit = "step" if by_steps else "epoch"
     data = "validation" if selected_on == "val" else "test"
     fig, (loss_ax, metric_ax) = plt.subplots(1, 2, figsize=(11, 4))
-    offset = _draw_parent(loss_ax, metric_ax, parent)
+    offset = _draw_parent(loss_ax, metric_ax, parent, at)
     if train:
-        xs, ys = zip(*_train_points(train, ends))
+        xs, ys = zip(*_train_points(train, ends, at))
         loss_ax.plot([x + offset for x in xs], ys, lw=1, alpha=0.7, label="train")
     shown = {loss_ax: [], metric_ax: []}
     for i, key in enumerate(keys):
-        points = [(_at(r["epoch"], r.get("step"), ends) + offset, r[key]) for r in val
+        points = [(at(r["epoch"], r.get("step"), ends) + offset, r[key]) for r in val
                   if isinstance(r.get(key), (int, float))]
         if not points:
             continue
@@ -151,10 +161,11 @@ def draw_curves(name, records, best_epoch, selected_on="val", parent=None, best_
                 ax.annotate(f"{v:.4f}", (x, v), xytext=(0, 6 if above else -12),
                             textcoords="offset points", ha="center", fontsize="x-small")
     for ax in (loss_ax, metric_ax):
-        _mark_best(ax, best_epoch, _at(best_epoch, best_step, ends), offset)
+        _mark_best(ax, best_epoch, at(best_epoch, best_step, ends), offset, best_step,
+                   by_steps)
         if offset == 0:
             _keep_span(ax, shown[ax])
-    xlabel = f"epoch ({parent[0]}, then {name})" if offset else "epoch"
+    xlabel = f"{unit} ({parent[0]}, then {name})" if offset else unit
     _finish_axes(loss_ax, "loss (lower is better)", "loss", xlabel)
     chosen = "validation metrics" if data == "validation" else \
         "test-set metrics (no validation data: the test set chose best.tar)"
