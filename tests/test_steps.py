@@ -159,3 +159,18 @@ def test_resume_from_a_chosen_checkpoint_keeps_the_later_ones_aside(tmp_path, ca
     assert echelon3("train", tmp_path, "resume_from=checkpoint-9.tar") == 2
     err = capsys.readouterr().err
     assert "resume_from: checkpoint-9.tar is not a checkpoint of this run" in err
+
+
+def test_step_checkpoints_written_in_the_background_equal_the_synchronous_ones(tmp_path):
+    runs = {}
+    for mode in ("sync", "async"):
+        write_config(tmp_path / mode, {
+            "trainer": {"config": {"epochs": None, "max_steps": 11}},
+            "target": {"every_n_steps": 3, "step_checkpoints_to_keep": 2,
+                       "async_save": mode == "async"}})
+        assert echelon3("train", tmp_path / mode) == 0
+        runs[mode] = {p.name: load(p) for p in target(tmp_path / mode).glob("checkpoint-*")}
+    assert sorted(runs["async"]) == ["checkpoint-1-step11.tar", "checkpoint-1-step9.tar",
+                                     "checkpoint-1.tar"] == sorted(runs["sync"])
+    for name, state in runs["sync"].items():
+        same_state(runs["async"][name], state)
