@@ -160,9 +160,8 @@ class ShardedCheckpoints(CheckpointManager):
         else:
             self._write_best(best)
 
-    def _write(self, state: dict[str, Any], name: str) -> Path:
-        """Every rank its shard, rank 0 the rest; renamed into place once all are done."""
-        import torch.distributed.checkpoint as dcp
+    def _prepare(self, state: dict[str, Any], name: str):
+        """(final folder, its temp folder, made empty, every rank's shards of ``state``)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         final, tmp = self.path / name, self.path / f".{name}.tmp"
@@ -172,6 +171,13 @@ class ShardedCheckpoints(CheckpointManager):
         barrier()
         shards = {k: state[k] for k in weight_keys(state)}
         shards[OPTIMIZER] = get_optimizer_state_dict(self.model, self.optimizer)
+        return final, tmp, shards
+
+    def _write(self, state: dict[str, Any], name: str) -> Path:
+        """Every rank its shard, rank 0 the rest; renamed into place once all are done."""
+        import torch.distributed.checkpoint as dcp
+
+        final, tmp, shards = self._prepare(state, name)
         try:
             dcp.save(shards, checkpoint_id=tmp)
             if is_main():
@@ -191,17 +197,11 @@ class ShardedCheckpoints(CheckpointManager):
         """The shards by ``dcp.async_save`` (staged to the CPU before it returns), rank 0's
         ``state.pt`` (and ``best.tar``) by its writer; renamed into place at :meth:`wait`."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         self.wait()
-        final, tmp = self.path / name, self.path / f".{name}.tmp"
+        final = self.path / name
         try:
-            if is_main():
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-            barrier()
-            shards = {k: state[k] for k in weight_keys(state)}
-            shards[OPTIMIZER] = get_optimizer_state_dict(self.model, self.optimizer)
+            final, tmp, shards = self._prepare(state, name)
             winner = _best(state) if best else None
             future = dcp.async_save(shards, checkpoint_id=tmp,
                                     process_group=self._background_group())
