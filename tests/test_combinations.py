@@ -182,7 +182,9 @@ PAIRWISE = [
     ("fp16", 3, "skip", "usr1", 2, 2, "plain", "steps", "stream"),
     ("fp32", 1, "stop", "usr1", 0, 1, "plain", "epochs", "map"),
 ]
-FULL = [row for row in itertools.product(*FACTORS.values()) if row not in PAIRWISE]
+# Beyond the pairs: a SIGKILL at 2 ranks of a run with a step checkpoint after every step.
+EXTRA = [("fp32", 1, "skip", "kill", 0, 2, "plain", "steps", "map")]
+FULL = [row for row in itertools.product(*FACTORS.values()) if row not in PAIRWISE + EXTRA]
 
 
 def test_the_pairwise_rows_cover_every_pair():
@@ -192,7 +194,7 @@ def test_the_pairwise_rows_cover_every_pair():
         assert needed <= {(row[i], row[j]) for row in PAIRWISE}, (names[i], names[j])
 
 
-@pytest.mark.parametrize("row", PAIRWISE, ids=lambda r: "-".join(map(str, r)))
+@pytest.mark.parametrize("row", PAIRWISE + EXTRA, ids=lambda r: "-".join(map(str, r)))
 def test_interrupted_and_resumed_equals_the_straight_run(tmp_path, row, own_handlers):
     run_combination(tmp_path, *row)
 

@@ -5,6 +5,7 @@ count (digits: 192 training samples in batches of 32, so 6 optimizer steps an ep
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 
@@ -174,3 +175,41 @@ def test_step_checkpoints_written_in_the_background_equal_the_synchronous_ones(t
                                      "checkpoint-1.tar"] == sorted(runs["sync"])
     for name, state in runs["sync"].items():
         same_state(runs["async"][name], state)
+
+
+def test_every_n_minutes_saves_at_the_step_after_a_log_point(tmp_path):
+    # A clock that is always up: rank 0 says so at each log point, the save follows the
+    # next one (whose collective carries it).
+    write_config(tmp_path, {"trainer": {"config": {"epochs": None, "max_steps": 5}},
+                            "target": {"every_n_minutes": 1e-9, "step_checkpoints_to_keep": 5}})
+    assert echelon3("train", tmp_path) == 0
+    steps = sorted(load(p)["global_step"] for p in target(tmp_path).glob("checkpoint-0-step*"))
+    assert steps == [4, 5]  # log points at 2 and 4 (log_every_n_steps 2); 5 ends the run
+
+
+def test_a_stream_validation_set_cut_to_its_first_batch(tmp_path):
+    from tests.combo import ComboNet, StreamBlobs
+
+    write_config(tmp_path, {
+        "net": {"module": "tests.combo", "type": "ComboNet", "config": {"hidden": 8}},
+        "data": {"train": {"module": "tests.combo", "type": "NoisyBlobs", "config": {"size": 48}},
+                 "test": {"module": "tests.combo", "type": "StreamBlobs",
+                          "config": {"size": 24, "seed": 1}}},
+        "dataloaders": {"test": {"config": {"batch_size": 8}},
+                        "train": {"config": {"batch_size": 8}}},
+        "metrics": [],
+        "trainer": {"config": {"epochs": None, "max_steps": 4, "limit_val_batches": 1,
+                               "keep_best_on": "loss", "high_is_better": False}}},
+        remove=("net", "data", "metrics"))
+    assert echelon3("train", tmp_path) == 0
+    stream = StreamBlobs(size=24, seed=1)
+    stream.set_shard(0, 1)
+    first = list(itertools.islice(iter(stream), 8))  # the stream's own first batch
+    net = ComboNet(hidden=8)
+    net.load_state_dict(final_state(tmp_path)[1]["model_state_dict"])
+    net.eval()
+    with torch.no_grad():
+        logits = net(torch.stack([x for x, _ in first]))
+    labels = torch.stack([y for _, y in first])
+    val = history(target(tmp_path), "val")
+    assert val[-1]["loss"] == pytest.approx(F.cross_entropy(logits, labels).item(), rel=1e-5)
