@@ -101,7 +101,7 @@ def train(folder: Path, ranks: int, env: dict) -> int:
     return result.returncode
 
 
-def outcome(out: Path, steps: bool) -> dict:
+def outcome(out: Path, steps: bool = False) -> dict:
     """The run's checkpoints (``steps``: its step checkpoints too; else a preemption's,
     which a run stopped by a NaN after it leaves behind, are not compared)."""
     names = sorted(p.name for p in out.glob("checkpoint-*.tar") if steps or "-step" not in p.name)

@@ -138,7 +138,7 @@ def test_runtime_settings_defaults_and_validation():
                            "compile": False, "compile_mode": None,
                            "ddp_find_unused_parameters": True, "ddp_comm": "none",
                            "ddp_gradient_as_bucket_view": True, "ddp_static_graph": False,
-                           "extend": None}
+                           "extend": None, "limit_val_batches": None}
     with pytest.raises(ConfigError, match="trainer.config.compile_mode"):
         _settings(compile_mode="fastest")
     with pytest.raises(ConfigError, match="trainer.config.compile"):

@@ -19,7 +19,7 @@ def cfg_with(tmp_path, override):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("trainer.config.epochs=abc", "trainer.config.epochs: expected an integer, got 'abc'"),
+    ("trainer.config.epochs=abc", "trainer.config.epochs: expected an integer or null, got 'abc'"),
     ("optimizer.config.lr=abc", "optimizer.config.lr: expected a number or a Tensor, got 'abc'"),
     ("dataloaders.train.config.batch_size=big",
      "dataloaders.train.config.batch_size: expected an integer or null, got 'big'"),
@@ -45,7 +45,7 @@ def test_a_bad_trainer_argument_stops_train_before_data_or_model_is_built(
     write_config(tmp_path)
     assert echelon3("train", tmp_path, "trainer.config.epochs=abc") == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == \
-        "echelon3: error: trainer.config.epochs: expected an integer, got 'abc'"
+        "echelon3: error: trainer.config.epochs: expected an integer or null, got 'abc'"
     assert built == [] and not (target(tmp_path) / "config.yaml").exists()
 
 

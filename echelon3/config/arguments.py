@@ -5,7 +5,7 @@ a missing required one is named. Types: a value is compared with the
 parameter's annotation (``epochs: int``, ``lr: Union[float, Tensor]``,
 ``average: Literal["micro", "macro"]``), or with the type of its default when
 it has none, so ``trainer.config.epochs=abc`` reads
-``trainer.config.epochs: expected an integer, got 'abc'`` instead of whatever
+``trainer.config.epochs: expected an integer or null, got 'abc'`` instead of whatever
 the constructor raises once data and model are built. Annotations this module
 cannot judge (type variables, protocols, unresolvable names) accept anything.
 """
