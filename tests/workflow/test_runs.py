@@ -28,8 +28,12 @@ def test_run_makes_every_output(finished):
         assert list(rows[0]) == ["index", "prediction", *(f"score_{i}" for i in range(10))]
         assert len(rows) > 100
         summary = json.loads((folder / "summary.json").read_text())
-        epochs = 2 if exp == EARLY else EPOCHS
-        assert summary["epochs"] == epochs and 1 <= summary["best"]["epoch"] <= epochs
+        if "max_steps" in summary:  # counted in steps: 40 steps end inside the third epoch
+            assert summary["steps"] == summary["max_steps"] == 40
+            assert summary["epochs"] == 2 and summary["best"]["step"] == 40
+        else:
+            epochs = 2 if exp == EARLY else EPOCHS
+            assert summary["epochs"] == epochs and 1 <= summary["best"]["epoch"] <= epochs
         png = finished / "results" / "plots" / "curves" / f"{exp}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (finished / "results/plots/metrics.png").read_bytes()[:4] == b"\x89PNG"
