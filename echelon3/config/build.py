@@ -47,19 +47,40 @@ def to_plain(node: Any) -> Any:
 
 
 def _load_file_module(path: Path, key: str):
+    """A ``.py`` file as a module under a stable name (the same in every process, so
+    ``torch.compile`` and pickling find it in ``sys.modules``). While it runs, its folder
+    comes first on ``sys.path``: ``from model import GPT`` finds ``model.py`` beside it,
+    which then stays in ``sys.modules`` as ``model``. The folder is taken off again, so a
+    dotted ``module:`` never finds a file beside the config by accident."""
     name = "echelon3_user_" + hashlib.sha1(str(path).encode()).hexdigest()[:12] + "_" + path.stem
     if name in sys.modules:
         return sys.modules[name]
+    same = _already_imported(path)  # imported as a sibling of an earlier file
+    if same is not None:
+        sys.modules[name] = same
+        return same
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    folder = str(path.parent)
+    sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     except Exception as e:
         del sys.modules[name]
         raise BuildError(f"{key}.module", f"importing {path} failed: "
                          f"{type(e).__name__}: {e}") from e
+    finally:
+        sys.path.remove(folder)
     return module
+
+
+def _already_imported(path: Path):
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if file and not getattr(module, "__path__", None) and Path(file) == path:
+            return module
+    return None
 
 
 def import_module(name: str, key: str, config_dir: Path | None = None):
