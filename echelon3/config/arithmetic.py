@@ -1,15 +1,16 @@
 """The one arithmetic language of a config: integer arithmetic over named run facts.
 
 A value may be a string such as ``total_steps - 500`` or ``(epochs - 1) * steps_per_epoch``:
-integers, the names given, ``+ - * //`` and parentheses, read with Python's own parser and
-evaluated node by node (never ``eval``). Schedule lengths use it with the names in
+integers, the names given, ``+ - * / //`` (``/`` only where it divides exactly) and
+parentheses, read with Python's own parser and evaluated node by node (never ``eval``). Schedule lengths use it with the names in
 :data:`LENGTHS`: ``steps_per_epoch`` (optimizer steps in one epoch on one rank),
 ``epochs`` (``trainer.config.epochs``), ``max_steps`` (``trainer.config.max_steps``) and
 ``total_steps``, the run's real total: ``epochs x steps_per_epoch``, or ``max_steps`` when
 that comes first (or when ``epochs`` is null). A name the run does not have (``epochs``
 of a run counted in steps only, ``steps_per_epoch`` of a stream of unknown length) is
 not offered. The scheduler builder and the pre-flight both read lengths through
-:func:`with_lengths`.
+:func:`with_lengths`. Any other value derives from the run's facts with
+``${calc:...}`` in the same language (:mod:`echelon3.config.derived`).
 """
 
 from __future__ import annotations
@@ -24,27 +25,72 @@ from echelon3.config.errors import BuildError
 
 LENGTHS = ("steps_per_epoch", "epochs", "max_steps", "total_steps")
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-        ast.FloorDiv: operator.floordiv}
+        ast.FloorDiv: operator.floordiv, ast.Div: operator.truediv}
+OPERATORS = "+ - * / //"
+
+
+class Unreadable(ValueError):
+    """Why a text is not integer arithmetic over the names given."""
+
+
+def parse(text: str) -> ast.Expression:
+    """``text`` as an expression of integers, names, ``+ - * / //`` and parentheses."""
+    try:
+        tree = ast.parse(str(text).strip(), mode="eval")
+    except SyntaxError:
+        raise Unreadable(f"cannot read {text!r}: write integer arithmetic "
+                         f"({OPERATORS}, parentheses)") from None
+    for node in ast.walk(tree.body):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) \
+                and not isinstance(node.value, bool):
+            continue
+        if isinstance(node, ast.Name | ast.Load) or type(node) in _OPS \
+                or isinstance(node, ast.BinOp):
+            continue
+        raise Unreadable(f"cannot read {text!r}: write integer arithmetic "
+                         f"({OPERATORS}, parentheses)")
+    return tree
+
+
+def names_in(tree: ast.Expression) -> list[str]:
+    """The names an expression uses, in order of appearance, once each."""
+    return list(dict.fromkeys(n.id for n in ast.walk(tree) if isinstance(n, ast.Name)))
+
+
+def compute(text: str, names: Mapping[str, int]) -> int:
+    """``text`` over ``names``; :class:`Unreadable` says why it has no integer value."""
+    tree = parse(text)
+    unknown = [n for n in names_in(tree) if n not in names]
+    if unknown:
+        raise Unreadable(f"{text!r} names {unknown[0]!r}, which this run does not have "
+                         f"(it has {', '.join(names) or 'none'})")
+
+    def walk(node):
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.Name):
+            return names[node.id]
+        left, right = walk(node.left), walk(node.right)
+        if isinstance(node.op, ast.Div | ast.FloorDiv) and right == 0:
+            used = ", ".join(f"{k} {names[k]}" for k in names_in(tree))
+            raise Unreadable(f"{text!r} divides by zero for this run ({used or 'no names'})")
+        value = _OPS[type(node.op)](left, right)
+        if isinstance(value, float) and not value.is_integer():
+            raise Unreadable(f"{text!r} is not an integer for this run: "
+                             f"{ast.unparse(node)} = {left} / {right} = {value:g} (use // to "
+                             "round down)")
+        return int(value)
+
+    return walk(tree.body)
 
 
 def evaluate(text: str, names: Mapping[str, int], key: str) -> int:
     """``text`` as integer arithmetic over ``names``; a :class:`BuildError` naming ``key``
     for anything else."""
-    def walk(node):
-        if isinstance(node, ast.Expression):
-            return walk(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, int):
-            return node.value
-        if isinstance(node, ast.Name) and node.id in names:
-            return names[node.id]
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            return _OPS[type(node.op)](walk(node.left), walk(node.right))
-        raise ValueError
-
     try:
-        return int(walk(ast.parse(text, mode="eval")))
-    except (SyntaxError, ValueError, ZeroDivisionError):
-        raise BuildError(key, f"cannot read {text!r}: write integer arithmetic (+ - * //) "
+        return compute(text, names)
+    except Unreadable:
+        raise BuildError(key, f"cannot read {text!r}: write integer arithmetic ({OPERATORS}) "
                          f"over {', '.join(names)}") from None
 
 

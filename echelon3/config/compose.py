@@ -27,6 +27,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from echelon3.config import derived  # registers ${calc:...}
 from echelon3.config.errors import ConfigError, did_you_mean
 
 # Root keys the framework knows. A root key starting with "_" is the user's own
@@ -233,7 +234,8 @@ def _resolve(cfg: DictConfig) -> None:
 
 def load_config(config_dir: str | Path | None, config_name: str,
                 overrides: Sequence[str] = ()) -> RunConfig:
-    """Compose ``config_dir/config_name.yaml``, apply overrides, resolve interpolations."""
+    """Compose ``config_dir/config_name.yaml``, apply overrides, resolve interpolations
+    (a ``${calc:...}`` waits for the run's facts: :mod:`echelon3.config.derived`)."""
     directory = Path(config_dir or ".").expanduser().resolve()
     if not directory.is_dir():
         raise ConfigError("--config-dir", f"config directory not found: {directory}")
@@ -247,6 +249,7 @@ def load_config(config_dir: str | Path | None, config_name: str,
     cfg.pop("hydra", None)
     _resolve(cfg)
     _check_root_keys(cfg, path, {k: o for k, o in added.items() if k not in in_files})
+    derived.check(cfg)
     return RunConfig(cfg=cfg, config_dir=directory, config_file=path)
 
 

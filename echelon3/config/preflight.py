@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from echelon3.config.arguments import check_arguments
 from echelon3.config.arithmetic import with_lengths
 from echelon3.config.build import is_spec, iter_specs, resolve_type, to_plain, with_default_type
+from echelon3.config.derived import with_placeholders
 from echelon3.config.errors import BuildError
 
 # What each section's builder injects (see echelon3.config.build and echelon3.data.loaders).
@@ -74,6 +75,7 @@ def check_specs(cfg, config_dir: Path | None = None, skip: tuple[str, ...] = (),
         if missing:
             raise BuildError(missing[0], "has no value ('???'); set it in the YAML or with "
                              f"{missing[0]}=...")
+        node = with_placeholders(node)  # ${calc:...} that waits for the data: 1 stands in
         if section == "scheduler" and node is not None:  # null: the inherited one dropped
             node = with_lengths(node)  # lengths like ``total_steps - 500``
         dropped = tuple((consumed or {}).get(section, ()))

@@ -21,6 +21,7 @@ from typing import Callable
 from omegaconf import OmegaConf
 
 from echelon3.config.compose import RunConfig
+from echelon3.config.derived import derive
 from echelon3.config.errors import ConfigError, UserError, blamed
 from echelon3.distributed import interrupt
 from echelon3.distributed import launch as dist
@@ -248,6 +249,7 @@ def launch(task: Task, rc: RunConfig, validate: Callable[[Plan], None] | None = 
     """Plan, validate before anything starts, then run in-process or spawn workers."""
     configure_logging()
     plan = plan_devices(rc.cfg)
+    derive(rc.cfg, plan.world_size)  # ${calc:...} over world_size and the config, once here
     if validate is not None:
         validate(plan)
     if plan.spawn <= 1:

@@ -28,6 +28,7 @@ from echelon3.checkpoints.files import load_weights, training_weights
 from echelon3.checkpoints.optimizer_layout import lay_out_optimizer
 from echelon3.checkpoints.sharded import SHARDED, ShardedCheckpoints, read_sharded
 from echelon3.config.compose import RunConfig, require
+from echelon3.config.derived import after_data
 from echelon3.config.errors import ConfigError
 from echelon3.data.rng import seed_everything
 from echelon3.data.loaders import known_length, limit_batches
@@ -97,7 +98,7 @@ def assemble_and_fit(rc: RunConfig, device, launcher, tracker=None):
     train_loader, val_loaders = train_loaders(
         cfg, train_set, val_sets, named, rank=launcher.rank, world_size=launcher.world_size,
         seed=seed, config_dir=rc.config_dir)
-    fp = fingerprint(cfg)
+    fp = fingerprint(cfg)  # ${calc:...} over the data's facts count as written
     path, state = find_resume_state(cfg, checkpoints, fp) or (None, None)
     if state is not None:
         check_extension(cfg, state, settings["extend"])
@@ -107,6 +108,8 @@ def assemble_and_fit(rc: RunConfig, device, launcher, tracker=None):
     else:
         warm.load(net)
     net.to(device)
+    identity_cfg, cfg = cfg, after_data(cfg, launcher.world_size,
+                                        steps_per_epoch(cfg, train_loader))
     losses = components.build_losses(cfg, rc.config_dir, device=device)
     metrics = components.build_metrics(cfg, rc.config_dir, device=device)
     params = strategy.prepare(net, params, device, launcher.world_size, settings)
@@ -150,7 +153,7 @@ def assemble_and_fit(rc: RunConfig, device, launcher, tracker=None):
         test_loaders=val_loaders, metrics=metrics, checkpoints=checkpoints, logger=logger,
         precision=precision, device=device, named_sets=named, resume_state=state,
         scheduler_interval=schedulers.interval(cfg),
-        extra_state=run_record(cfg, fp, split))
+        extra_state=run_record(identity_cfg, fp, split))
     trainer.resumed_from = path  # said in the summary
     try:
         try:
