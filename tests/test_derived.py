@@ -121,8 +121,16 @@ def _check_run(folder, world):
 
 
 def test_two_processes_derive_from_world_size_2(probe_dir):
-    """Through the launcher: the parent computes before spawning, the workers train."""
-    edit_yaml(probe_dir / "probe.yaml", _derive(lambda cfg: cfg.update(nproc=2)))
+    """Through the launcher: the parent computes before spawning, the workers train. The
+    network comes from a file beside the config that imports its sibling, as the workers
+    load it again (tests/test_user_modules.py)."""
+    (probe_dir / "probe_parts.py").write_text("from tests.probe import ProbeNet\n")
+    (probe_dir / "probe_net.py").write_text("from probe_parts import ProbeNet\n")
+
+    def edit(cfg):
+        cfg.update(nproc=2)
+        cfg["net"]["module"] = "probe_net.py"
+    edit_yaml(probe_dir / "probe.yaml", _derive(edit))
     done = run_cli(["train", "-cd", str(probe_dir), "-cn", "probe"])
     assert done.returncode == 0, done.stderr[-2000:]
     _check_run(probe_dir, world=2)
