@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
-from echelon3.config.errors import BuildError
+from echelon3.config.errors import BuildError, ConfigError
 
 LENGTHS = ("steps_per_epoch", "epochs", "max_steps", "total_steps")
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -29,17 +29,14 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 OPERATORS = "+ - * / //"
 
 
-class Unreadable(ValueError):
-    """Why a text is not integer arithmetic over the names given."""
-
-
-def parse(text: str) -> ast.Expression:
-    """``text`` as an expression of integers, names, ``+ - * / //`` and parentheses."""
+def parse(text: str, key: str) -> ast.Expression:
+    """``text`` as an expression of integers, names, ``+ - * / //`` and parentheses; a
+    :class:`ConfigError` naming ``key`` if it is not one."""
     try:
         tree = ast.parse(str(text).strip(), mode="eval")
     except SyntaxError:
-        raise Unreadable(f"cannot read {text!r}: write integer arithmetic "
-                         f"({OPERATORS}, parentheses)") from None
+        raise ConfigError(key, f"cannot read {text!r}: write integer arithmetic "
+                          f"({OPERATORS}, parentheses)") from None
     for node in ast.walk(tree.body):
         if isinstance(node, ast.Constant) and isinstance(node.value, int) \
                 and not isinstance(node.value, bool):
@@ -47,8 +44,8 @@ def parse(text: str) -> ast.Expression:
         if isinstance(node, ast.Name | ast.Load) or type(node) in _OPS \
                 or isinstance(node, ast.BinOp):
             continue
-        raise Unreadable(f"cannot read {text!r}: write integer arithmetic "
-                         f"({OPERATORS}, parentheses)")
+        raise ConfigError(key, f"cannot read {text!r}: write integer arithmetic "
+                          f"({OPERATORS}, parentheses)")
     return tree
 
 
@@ -57,13 +54,14 @@ def names_in(tree: ast.Expression) -> list[str]:
     return list(dict.fromkeys(n.id for n in ast.walk(tree) if isinstance(n, ast.Name)))
 
 
-def compute(text: str, names: Mapping[str, int]) -> int:
-    """``text`` over ``names``; :class:`Unreadable` says why it has no integer value."""
-    tree = parse(text)
+def compute(text: str, names: Mapping[str, int], key: str) -> int:
+    """``text`` over ``names``; a :class:`ConfigError` naming ``key`` says why it has no
+    integer value."""
+    tree = parse(text, key)
     unknown = [n for n in names_in(tree) if n not in names]
     if unknown:
-        raise Unreadable(f"{text!r} names {unknown[0]!r}, which this run does not have "
-                         f"(it has {', '.join(names) or 'none'})")
+        raise ConfigError(key, f"{text!r} names {unknown[0]!r}, which this run does not have "
+                          f"(it has {', '.join(names) or 'none'})")
 
     def walk(node):
         if isinstance(node, ast.Constant):
@@ -73,12 +71,13 @@ def compute(text: str, names: Mapping[str, int]) -> int:
         left, right = walk(node.left), walk(node.right)
         if isinstance(node.op, ast.Div | ast.FloorDiv) and right == 0:
             used = ", ".join(f"{k} {names[k]}" for k in names_in(tree))
-            raise Unreadable(f"{text!r} divides by zero for this run ({used or 'no names'})")
+            raise ConfigError(key, f"{text!r} divides by zero for this run "
+                              f"({used or 'no names'})")
         value = _OPS[type(node.op)](left, right)
         if isinstance(value, float) and not value.is_integer():
-            raise Unreadable(f"{text!r} is not an integer for this run: "
-                             f"{ast.unparse(node)} = {left} / {right} = {value:g} (use // to "
-                             "round down)")
+            raise ConfigError(key, f"{text!r} is not an integer for this run: "
+                              f"{ast.unparse(node)} = {left} / {right} = {value:g} (use // "
+                              "to round down)")
         return int(value)
 
     return walk(tree.body)
@@ -88,8 +87,8 @@ def evaluate(text: str, names: Mapping[str, int], key: str) -> int:
     """``text`` as integer arithmetic over ``names``; a :class:`BuildError` naming ``key``
     for anything else."""
     try:
-        return compute(text, names)
-    except Unreadable:
+        return compute(text, names, key)
+    except ConfigError:
         raise BuildError(key, f"cannot read {text!r}: write integer arithmetic ({OPERATORS}) "
                          f"over {', '.join(names)}") from None
 

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
-from echelon3.config.arithmetic import LENGTHS, Unreadable, compute, names_in, parse, run_lengths
+from echelon3.config.arithmetic import LENGTHS, compute, names_in, parse, run_lengths
 from echelon3.config.errors import ConfigError, did_you_mean
 
 RESOLVER = "calc"
@@ -90,10 +90,7 @@ def check(cfg) -> None:
     section built after the data."""
     for path, expr in _markers(_plain(cfg)):
         key = dotted(path)
-        try:
-            used = names_in(parse(expr))
-        except Unreadable as e:
-            raise ConfigError(key, str(e)) from None
+        used = names_in(parse(expr, key))
         for name in used:
             if name not in FACTS:
                 raise ConfigError(key, f"{expr!r} names {name!r}, not a fact of the run"
@@ -130,7 +127,7 @@ def config_facts(cfg, world_size: int) -> dict[str, int]:
         value = _select(plain, source)
         expr = _expression(value)
         if expr is not None:
-            names = {n: fact(n, (*chain, name)) for n in names_in(parse(expr))}
+            names = {n: fact(n, (*chain, name)) for n in names_in(parse(expr, source))}
             value = _compute(expr, names, source)
         if value is None and name == "grad_accum_steps":
             value = 1  # the Trainer's default
@@ -144,15 +141,12 @@ def config_facts(cfg, world_size: int) -> dict[str, int]:
 
 def _compute(expr: str, names: dict[str, int | None], key: str) -> int:
     names = {k: v for k, v in names.items() if v is not None}
-    for name in names_in(parse(expr)):
+    for name in names_in(parse(expr, key)):
         if name not in names and name in FACTS:
             where = CONFIG_FACTS.get(name) or "the train data (a stream of unknown length)"
             raise ConfigError(key, f"{expr!r} names {name}, which this run does not have "
                               f"({where} gives none)")
-    try:
-        return compute(expr, names)
-    except Unreadable as e:
-        raise ConfigError(key, str(e)) from None
+    return compute(expr, names, key)
 
 
 def _put(cfg, path: tuple, value: int) -> None:
@@ -168,7 +162,7 @@ def derive(cfg: DictConfig, world_size: int) -> None:
     check(cfg)
     names = config_facts(cfg, world_size)
     for path, expr in _markers(_plain(cfg)):
-        used = names_in(parse(expr))
+        used = names_in(parse(expr, dotted(path)))
         if any(n in DATA_FACTS for n in used) or (path[0] == "scheduler" and any(
                 n in LENGTHS for n in used)):  # a schedule's length: seen as written on resume
             continue
