@@ -99,12 +99,6 @@ def test_mistakes_are_one_line_config_errors_naming_the_key(probe_dir, overrides
     assert "\n" not in str(e.value)
 
 
-def test_one_process_trains_on_the_derived_values(probe_dir):
-    edit_yaml(probe_dir / "probe.yaml", _derive(lambda cfg: None))
-    assert echelon3("train", probe_dir, name="probe") == 0
-    _check_run(probe_dir, world=1)
-
-
 def _check_run(folder, world):
     """What the ranks saw and the config the run wrote, against hand counts."""
     written = yaml.safe_load((folder / "run" / "config.yaml").read_text())
