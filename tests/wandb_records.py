@@ -11,6 +11,7 @@ type 1 a whole record, 2 / 3 / 4 its first, middle and last pieces.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -56,9 +57,15 @@ def _key(item) -> str:
 
 def run_files(wandb_dir: Path, run_id: str) -> list[Path]:
     """The ``.wandb`` files of run ``run_id`` under ``wandb_dir``, one per attempt, oldest
-    first (an offline run resumed in a new process gets a folder of its own)."""
-    return sorted(Path(wandb_dir).glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"),
-                  key=lambda p: p.parent.name)
+    first. An offline run resumed in a new process gets a folder of its own,
+    ``offline-run-<time>-<id>``, with ``-1``, ``-2``... added within the same second."""
+    name = re.compile(rf"offline-run-(\d{{8}}_\d{{6}})-{re.escape(run_id)}(?:-(\d+))?")
+    found = []
+    for folder in Path(wandb_dir, "wandb").glob(f"offline-run-*-{run_id}*"):
+        match = name.fullmatch(folder.name)
+        if match and (folder / f"run-{run_id}.wandb").is_file():
+            found.append(((match[1], int(match[2] or 0)), folder / f"run-{run_id}.wandb"))
+    return [path for _, path in sorted(found)]
 
 
 def history(paths: list[Path]) -> list[dict]:

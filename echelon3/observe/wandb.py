@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 STATE = "wandb.json"  # in the run folder: where the W&B run lives, and its last step
 # wandb's own default waits 90 s for a server that does not answer; a run waits less.
-INIT_DEFAULTS = {"WANDB_INIT_TIMEOUT": "30"}
+INIT_TIMEOUT_S = 30
 RECORD_KEYS = ("split", "epoch", "step")
 
 
@@ -107,8 +107,6 @@ class Tracker:
     def _start(self) -> None:
         import wandb
 
-        for key, value in INIT_DEFAULTS.items():
-            os.environ.setdefault(key, value)
         s = self.settings
         known = state_file(self.folder / STATE)
         same = known is not None and known.get("project") == s.project and \
@@ -120,7 +118,8 @@ class Tracker:
         Path(s.dir).mkdir(parents=True, exist_ok=True)
         run = wandb.init(project=s.project, entity=s.entity, name=s.run_name, group=s.group,
                          mode=s.mode, dir=s.dir, id=run_id, resume="allow", job_type=self.task,
-                         settings=wandb.Settings(console="off"))
+                         settings=wandb.Settings(console="off", init_timeout=float(
+                             os.environ.get("WANDB_INIT_TIMEOUT", INIT_TIMEOUT_S))))
         # online, a resumed run starts after the server's last step
         self._floor = max(self._floor, int(run.starting_step or 0) - 1)
         self.run, self.run_id, self.url = run, run.id, run.url
