@@ -3,6 +3,11 @@
 Module paths from before the package was grouped into wings (``echelon3.dist``,
 ``echelon3.mlops``, ``echelon3.export``, ...) still import, with a ``FutureWarning``
 naming the new home: a config or a script written for 0.5 keeps working.
+
+The Python API (:mod:`echelon3.api`): ``echelon3.load(run_dir)`` gives a trained run's
+network with its preprocessing, ``echelon3.predict(run_dir, inputs)`` its outputs. They
+are imported on first use, so ``import echelon3`` (and ``echelon3 --help``) imports no
+torch.
 """
 
 import importlib
@@ -69,6 +74,30 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__getattr__ = __getattr__
         module.__dir__ = lambda: sorted({n for new in modules for n in dir(new)})
         module.__path__ = []  # echelon3.mlops had modules of its own
+        if old in LAZY:  # importing it makes it the package's attribute of that name
+            module.__class__ = _CallableModule
+
+
+class _CallableModule(type(sys)):
+    """An old module path that shares its name with a function of the API
+    (``echelon3.predict``): called, it is that function."""
+
+    def __call__(self, *args, **kwargs):
+        api = importlib.import_module(f"{__name__}.{LAZY[self.__name__.partition('.')[2]]}")
+        return getattr(api, self.__name__.partition(".")[2])(*args, **kwargs)
 
 
 sys.meta_path.append(_OldPaths())
+
+# name -> the module that defines it, imported on first use (it imports torch)
+LAZY = {"load": "api", "predict": "api", "Model": "api"}
+
+
+def __getattr__(name):
+    if name in LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *LAZY})

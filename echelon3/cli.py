@@ -119,7 +119,7 @@ def _execute(args) -> None:
     from echelon3.config.sections import check_sections
     from echelon3.data import loaders
     from echelon3.distributed import runtime
-    from echelon3.observe import mlflow_config
+    from echelon3.observe import mlflow_config, wandb_config
 
     module, function, _ = TASKS[args.command]
     task_module = importlib.import_module(module)
@@ -133,6 +133,7 @@ def _execute(args) -> None:
     def validate(plan):
         check_sections(rc.cfg)
         mlflow_config.check(rc.cfg)
+        wandb_config.check(rc.cfg)
         loaders.check_batch_sizes(rc.cfg.get("dataloaders"), plan.world_size)
         check_specs(rc.cfg, rc.config_dir, skip=OTHER_TASKS_ONLY[args.command],
                     consumed=consumed)

@@ -28,6 +28,7 @@ WINGS: list[tuple[str, ...]] = [
     ("nets", "datasets", "losses", "metrics", "optimizers"),
     ("trainers",),
     ("tasks",),
+    ("api",),
     ("cli",),
 ]
 LEVEL = {wing: level for level, wings in enumerate(WINGS) for wing in wings}
@@ -71,7 +72,7 @@ def wing(module: str) -> str | None:
     parts = module.split(".")
     if len(parts) == 1:
         return None
-    return "cli" if parts[1] == "__main__" else parts[1]
+    return "cli" if parts[1] == "__main__" else parts[1]  # api.py: the wing api
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -160,7 +161,8 @@ def test_the_cycle_finder_finds_one():
 
 def test_every_wing_is_in_the_order():
     wings = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    assert wings | {"cli"} == set(LEVEL), set(LEVEL) ^ (wings | {"cli"})
+    files = {"cli", "api"}  # the wings that are one file at the top
+    assert wings | files == set(LEVEL), set(LEVEL) ^ (wings | files)
 
 
 def test_no_module_imports_a_wing_above_its_own():

@@ -39,6 +39,11 @@ def named_paths() -> dict[str, str]:
 def resolve(dotted: str):
     """The object a dotted path names: the longest importable module, then attributes."""
     parts = dotted.split(".")
+    if len(parts) > 1 and parts[1] in echelon3.LAZY:  # echelon3.predict: the API's function
+        target = echelon3
+        for attr in parts[1:]:
+            target = getattr(target, attr)
+        return target
     for cut in range(len(parts), 0, -1):
         try:
             target = importlib.import_module(".".join(parts[:cut]))
@@ -108,12 +113,31 @@ def _triples(node):
     ("echelon3.checkpoint", "atomic_save", "echelon3.checkpoints.files"),
     ("echelon3.evaluate", "Evaluator", "echelon3.tasks.evaluate"),
     ("echelon3.precision", "Precision", "echelon3.distributed.precision"),
+    ("echelon3.predict", "OnnxNet", "echelon3.tasks.predict"),
 ])
 def test_an_old_path_imports_the_same_object_with_a_warning(old, name, new):
     sys.modules.pop(old, None)  # imported by an earlier case: import it anew
     with pytest.warns(FutureWarning, match=f"{re.escape(old)} moved to"):
         module = importlib.import_module(old)
     assert getattr(module, name) is getattr(importlib.import_module(new), name)
+
+
+def test_an_old_path_named_like_an_api_function_is_still_that_function():
+    """``import echelon3.predict`` (the old home of the predict task) makes the module the
+    package's ``predict``; called, it is still ``echelon3.api.predict``."""
+    from echelon3 import api
+
+    sys.modules.pop("echelon3.predict", None)
+    with pytest.warns(FutureWarning, match="echelon3.predict moved to"):
+        importlib.import_module("echelon3.predict")
+    calls = []
+    original = api.predict
+    api.predict = lambda *args, **kwargs: calls.append((args, kwargs)) or "outputs"
+    try:
+        assert echelon3.predict("run", [1.0], batch_size=2) == "outputs"
+    finally:
+        api.predict = original
+    assert calls == [(("run", [1.0]), {"batch_size": 2})]
 
 
 def test_an_old_path_in_a_config_builds():

@@ -37,7 +37,7 @@ ROOT_KEYS = (
     "net", "data", "dataloaders", "loss", "metrics", "optimizer", "scheduler",
     "trainer", "target", "mlops", "evaluator", "runner", "init_from", "finetune", "export",
     "strategy", "fsdp", "activation_checkpointing",
-    "mlflow", "resume_from",
+    "mlflow", "wandb", "resume_from",
 )
 
 _KEY = re.compile(r"^[A-Za-z_][\w\-]*(\.[\w\-]+|\[\d+\])*$")

@@ -173,3 +173,51 @@ class DefaultLogger(Logger):
     def close(self) -> None:
         for logger in self.loggers:
             logger.close()
+
+
+def read_history(path: Path) -> list[dict]:
+    """The records of a ``history.jsonl`` (none when it is missing; a torn line skipped)."""
+    if not Path(path).is_file():
+        return []
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue  # a line torn by a kill
+    return records
+
+
+class Relay(Logger):
+    """The run's own logger first (the source of truth), then a tracker's ``log_records``.
+    Train records go to the tracker in bursts, at most every ``HOLD_S`` seconds (and at
+    every other record and at close): one request per burst. ``rewind`` reaches only the
+    run's own logger: the tracker decides what it sends again."""
+
+    HOLD_S = 2.0
+
+    def __init__(self, inner: Logger, tracker):
+        self.inner, self.tracker = inner, tracker
+        self._held: list[dict] = []
+        self._handed = time.monotonic()
+
+    def log(self, record: dict) -> None:
+        self.inner.log(record)
+        self._held.append(dict(record))
+        if record.get("split", "train") != "train" or \
+                time.monotonic() - self._handed >= self.HOLD_S:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        held, self._held = self._held, []
+        self._handed = time.monotonic()
+        self.tracker.log_records(held)
+
+    def rewind(self, step: int) -> None:
+        self.inner.rewind(step)
+
+    def close(self) -> None:
+        try:
+            self._hand_over()
+        finally:
+            self.inner.close()

@@ -28,7 +28,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from echelon3.checkpoints.files import atomic_write_text
-from echelon3.observe.loggers import Logger
+from echelon3.observe.loggers import Logger, Relay, read_history
 from echelon3.observe.mlflow_config import Settings, check, settings
 from echelon3.observe.mlflow_run import flatten, metric_key, run_tags, run_url, state_file
 
@@ -187,16 +187,7 @@ class Tracker:
         """The records of ``history.jsonl`` that MLflow never got: tracking turned on for a
         run that had trained without it (a finished run trains nothing, so this attempt
         sends no record of its own), or before this attempt's first record."""
-        path = self.folder / "history.jsonl"
-        if not path.is_file():
-            return
-        records = []
-        for line in path.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue  # a torn last line
-        self.log_records(records, backfill=True)
+        self.log_records(read_history(self.folder / "history.jsonl"), backfill=True)
 
     def log_metrics(self, metrics: list, backfill: bool = False) -> None:
         """``metrics``, less the points at or before the last step MLflow held for their
@@ -290,39 +281,10 @@ def amend_summary(folder: Path, entry: dict) -> None:
         atomic_write_text(path, json.dumps(summary, indent=2) + "\n")
 
 
-class MlflowLogger(Logger):
-    """The run's own logger first (the source of truth), then MLflow. Train records go to
-    MLflow in bursts, at most every ``HOLD_S`` seconds (and at every other record and at
-    close): one request per burst. ``rewind`` reaches only the run's own logger: MLflow
-    cannot delete points, and the tracker sends no step it already holds."""
-
-    HOLD_S = 2.0
-
-    def __init__(self, inner: Logger, tracker: Tracker):
-        self.inner, self.tracker = inner, tracker
-        self._held: list[dict] = []
-        self._handed = time.monotonic()
-
-    def log(self, record: dict) -> None:
-        self.inner.log(record)
-        self._held.append(dict(record))
-        if record.get("split", "train") != "train" or \
-                time.monotonic() - self._handed >= self.HOLD_S:
-            self._hand_over()
-
-    def _hand_over(self) -> None:
-        held, self._held = self._held, []
-        self._handed = time.monotonic()
-        self.tracker.log_records(held)
-
-    def rewind(self, step: int) -> None:
-        self.inner.rewind(step)
-
-    def close(self) -> None:
-        try:
-            self._hand_over()
-        finally:
-            self.inner.close()
+class MlflowLogger(Relay):
+    """The run's own logger first (the source of truth), then MLflow, in bursts (see
+    :class:`echelon3.observe.loggers.Relay`). ``rewind`` reaches only the run's own logger:
+    MLflow cannot delete points, and the tracker sends no step it already holds."""
 
 
 def for_task(rc, task: str = "train", folder: Path | None = None) -> Tracker:

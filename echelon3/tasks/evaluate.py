@@ -83,7 +83,7 @@ def evaluate(rc, device, launcher) -> None:
     from echelon3.config.compose import require
     from echelon3.data.loaders import create_dataloaders
     from echelon3.data.rng import seed_everything
-    from echelon3.observe import mlflow
+    from echelon3.observe import mlflow, wandb
     from echelon3.tasks import components
     from echelon3.tasks.inference import load_for_inference
 
@@ -106,6 +106,7 @@ def evaluate(rc, device, launcher) -> None:
     net, precision = load_for_inference(rc, device, getattr(evaluator, "checkpoint", None))
     results = evaluator(net=net, test_loaders=loaders, metrics=metrics, losses=losses,
                         precision=precision, device=device, named_sets=named)
-    if isinstance(results, dict):  # into the training run's MLflow run, when tracked
+    if isinstance(results, dict):  # into the training run's MLflow / W&B run, when tracked
         mlflow.log_evaluation(rc, results, getattr(evaluator, "checkpoint", None),
                               getattr(evaluator, "output", None))
+        wandb.log_evaluation(rc, results, getattr(evaluator, "checkpoint", None))

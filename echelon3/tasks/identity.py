@@ -32,8 +32,8 @@ from echelon3.distributed.ranks import barrier, is_main
 log = logging.getLogger(__name__)
 
 # Keys that may differ between attempts of the same run without making it another run.
-VOLATILE = ("device", "gpus", "nproc", "device_ids", "mlops", "mlflow", "evaluator", "runner",
-            "on_config_change", "trainer.config.epochs", "trainer.config.precision",
+VOLATILE = ("device", "gpus", "nproc", "device_ids", "mlops", "mlflow", "wandb", "evaluator",
+            "runner", "on_config_change", "trainer.config.epochs", "trainer.config.precision",
             "trainer.config.tf32", "trainer.config.cudnn_benchmark", "trainer.config.compile",
             "trainer.config.compile_mode", "trainer.config.log_every_n_steps",
             "trainer.config.progress_bar", "trainer.config.nan_policy", "trainer.config.profile",

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 SUMMARY = "summary.json"
 # What a run writes before its first checkpoint (see forget_unfinished).
-EARLY_FILES = ("config.yaml", "history.jsonl", "tensorboard", "mlflow.json", SUMMARY)
+EARLY_FILES = ("config.yaml", "history.jsonl", "tensorboard", "mlflow.json", "wandb.json",
+               SUMMARY)
 
 
 def _natural(name: str) -> list:

@@ -38,7 +38,7 @@ from echelon3.distributed.ddp import DDP_KEYS, check_settings
 from echelon3.distributed.fsdp import Strategy, lockstep
 from echelon3.distributed.precision import Precision
 from echelon3.distributed.ranks import is_main, unwrap
-from echelon3.observe import mlflow
+from echelon3.observe import trackers
 from echelon3.observe.loggers import NoOpLogger
 from echelon3.optimizers.closure import is_closure_optimizer
 from echelon3.tasks import components
@@ -76,7 +76,7 @@ def runtime_settings(cfg) -> dict:
 
 def assemble_and_fit(rc: RunConfig, device, launcher, tracker=None):
     """Build the run, resume it if ``target.path`` allows, fit; (trainer, epochs done
-    before this attempt). ``tracker``: the run's MLflow tracker, if any."""
+    before this attempt). ``tracker``: the run's trackers (MLflow, W&B), if any."""
     cfg = rc.cfg
     require(cfg, "net", "data", "dataloaders", "loss", "optimizer", "trainer", "target",
             task="train")
@@ -143,7 +143,7 @@ def assemble_and_fit(rc: RunConfig, device, launcher, tracker=None):
     write_run_config(cfg, checkpoints.path)
     logger = components.build_mlops(cfg, str(checkpoints.path), rc.config_dir) if is_main() \
         else NoOpLogger()
-    if tracker is not None:  # MLflow beside the logger; its run starts with the first record
+    if tracker is not None:  # trackers beside the logger; their runs start with the first record
         logger = tracker.watch(logger, resumed=state is not None,
                                world_size=launcher.world_size, precision=precision.describe())
     # The trainer validates on the validation sets (data.val, data.val_split, else data.test).
@@ -186,7 +186,7 @@ def _train(rc: RunConfig, device, launcher) -> None:
     reached its first checkpoint."""
     started = time.time()
     folder = components.build_target(rc.cfg, rc.config_dir).path
-    tracker = mlflow.for_task(rc)
+    tracker = trackers.for_task(rc)
     try:
         trainer, before = assemble_and_fit(rc, device, launcher, tracker)
     except BaseException as e:
@@ -198,7 +198,7 @@ def _train(rc: RunConfig, device, launcher) -> None:
                      else None, steps=getattr(trainer, "global_step", None),
                      max_steps=planned_max_steps(rc.cfg),
                      resumed_from=getattr(trainer, "resumed_from", None))
-    tracker.finish(summary)  # summary.json gets its `mlflow` entry; the files go to MLflow
+    tracker.finish(summary)  # summary.json gets `mlflow` / `wandb` entries; files to MLflow
 
 
 def finetune(rc: RunConfig, device, launcher) -> None:
