@@ -52,18 +52,32 @@ def _summary(out) -> dict:
     return {k: v for k, v in summary.items() if k not in ("elapsed_s", "finished")}
 
 
-@pytest.mark.parametrize("length", [(), ("trainer.config.max_steps=12",)],
-                         ids=["epochs", "max_steps"])
+def _as_a_workflow_rerun_leaves_it(out):
+    """Snakemake deletes a job's outputs before it runs it again; the attempt before had
+    logged past its newest checkpoint."""
+    (out / "best.tar").unlink()
+    (out / "summary.json").unlink()
+    with open(out / "history.jsonl", "a") as f:
+        f.write('{"split": "train", "epoch": 3, "step": 13, "loss": 1.0}\n{"split": "tr')
+
+
+@pytest.mark.parametrize("length,rerun", [((), False), (("trainer.config.max_steps=12",), False),
+                                          ((), True)],
+                         ids=["epochs", "max_steps", "workflow_rerun"])
 def test_a_finished_run_is_settled_as_a_worker_settles_it(finished_run, tmp_path, capsys,
-                                                           monkeypatch, length):
+                                                           monkeypatch, length, rerun):
     # What the worker's train task says and writes, with the launcher's answer turned off
     worker = _copy(finished_run, tmp_path / "worker")
+    if rerun:
+        _as_a_workflow_rerun_leaves_it(worker)
     with monkeypatch.context() as m:
         m.setattr(early, "finished", lambda command, rc: False)
         assert echelon3("train", tmp_path / "worker", *length) == 0
     said = capsys.readouterr().err
     out = _copy(finished_run, tmp_path / "launcher")
-    before = {p.name: p.read_bytes() for p in out.glob("*.tar")}
+    if rerun:
+        _as_a_workflow_rerun_leaves_it(out)
+    before = {p.name: p.read_bytes() for p in out.glob("checkpoint-*.tar")}
     started = []
     monkeypatch.setattr(launch, "spawn", lambda *a, **k: started.append(a))
     monkeypatch.setattr(runtime, "run_worker", lambda *a, **k: started.append(a))
@@ -76,7 +90,9 @@ def test_a_finished_run_is_settled_as_a_worker_settles_it(finished_run, tmp_path
         closing = said[said.index("nothing trained: "):].replace(str(worker), str(out))
         assert err[err.index("nothing trained: "):] == closing
         assert _summary(out) == _summary(worker)
-        assert {p.name: p.read_bytes() for p in out.glob("*.tar")} == before
+        assert {p.name: p.read_bytes() for p in out.glob("checkpoint-*.tar")} == before
+        assert (out / "best.tar").read_bytes() == (worker / "best.tar").read_bytes()
+        assert (out / "history.jsonl").read_text() == (worker / "history.jsonl").read_text()
         written = yaml.safe_load((out / "config.yaml").read_text())  # written again
         assert written.pop("nproc") == int(nproc[-1])
         assert written == yaml.safe_load((worker / "config.yaml").read_text().replace(

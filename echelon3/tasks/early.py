@@ -13,7 +13,7 @@ Three answers need only the config and the run folder, so no worker is started f
 
 Each says what the worker would have said, with the same exit code. Only the run's
 checkpoint metadata is read (memory-mapped: its tensors stay on disk). Anything less plain
-(a trainer of one's own, MLflow on, early stopping, ``resume_from``, FSDP, a job that
+(a trainer or logger of one's own, MLflow on, early stopping, ``resume_from``, FSDP, a job that
 torchrun or ``srun`` started, a checkpoint that does not load) is left to the workers as
 before: they find the same answer, after building the run.
 """
@@ -34,6 +34,7 @@ TRAINING = ("train", "finetune")
 INFERENCE = {"evaluate": ("evaluator", "echelon3.tasks.evaluate", "Evaluator"),
              "run": ("runner", "echelon3.tasks.run", "Runner")}
 TRAINER = ("echelon3.trainers.baseline", "Trainer")
+LOGGER = ("echelon3.observe.loggers", "DefaultLogger")  # history.jsonl (+ TensorBoard)
 LENGTH_KEYS = ("epochs", "max_steps", "val_check_interval", "validate_at_start",
                "times_to_validate_per_epoch")
 
@@ -99,7 +100,8 @@ def _plain(rc: RunConfig) -> bool:
 
     cfg = rc.cfg
     trainer = _built_in(cfg, "trainer", *TRAINER)
-    return (trainer is not None and not trainer.get("early_stopping")
+    logger = _built_in(cfg, "mlops", *LOGGER)
+    return (trainer is not None and logger is not None and not trainer.get("early_stopping")
             and not cfg.get("resume_from") and str(cfg.get("strategy") or "ddp") == "ddp"
             and mlflow_settings(cfg, rc.config_file) is None)
 
@@ -111,14 +113,11 @@ def _finished_point(rc: RunConfig):
     from echelon3.tasks import components
     from echelon3.tasks.finetune import WarmStart
     from echelon3.tasks.identity import _state_without_tensors, fingerprint
-    from echelon3.tasks.summary import SUMMARY
     from echelon3.tasks.train import runtime_settings
     from echelon3.trainers.length import RunLength
 
     cfg = rc.cfg
     checkpoints = components.build_target(cfg, rc.config_dir)
-    if not (checkpoints.path / SUMMARY).is_file():
-        return None  # the last attempt did not end: the worker tidies up after it
     newest = next(iter(checkpoints.rolling()), None)
     state = None if newest is None else _state_without_tensors(newest)
     if state is None or "model_state_dict" not in state:
@@ -137,6 +136,7 @@ def _finished_point(rc: RunConfig):
 def _close(rc: RunConfig, checkpoints, path, state: dict, why: str) -> None:
     """What the worker's train task logs and writes for a run with nothing left."""
     from echelon3.checkpoints.extension import planned_max_steps
+    from echelon3.observe.loggers import JsonlLogger
     from echelon3.tasks.identity import write_run_config
     from echelon3.tasks.summary import finish
 
@@ -146,6 +146,9 @@ def _close(rc: RunConfig, checkpoints, path, state: dict, why: str) -> None:
     checkpoints.remove_leftovers()
     log.info("nothing to train: %s", why)
     write_run_config(rc.cfg, checkpoints.path)
+    # records an attempt that died after the newest checkpoint wrote, as the worker's
+    # logger drops them (TensorBoard hides them at its next write: there is none)
+    JsonlLogger(checkpoints.path / "history.jsonl").rewind(step)
     checkpoints.ensure_best()
     finish(checkpoints.path, epoch, started, before=(epoch, step), steps=step,
            max_steps=planned_max_steps(rc.cfg), resumed_from=path)
