@@ -102,7 +102,7 @@ def measure(smoke: bool) -> str:
                              training_s(default)))
         folder = copy_project(Path(tmp) / "sweep", sweep(points, epochs))
         wall, jobs = snakemake(folder)
-        lines.append(row(f"a sweep of {points} digits_mlp runs, {epochs} epochs", wall, jobs,
+        lines.append(row(f"a sweep of {points} digits_mlp run(s), {epochs} epoch(s) each", wall, jobs,
                          training_s(folder)))
         wall, jobs = snakemake(folder, "--forcerun", "train")  # summary.json written again
         lines.append(row("the same sweep, every `train` forced (finished runs)", wall, jobs,
