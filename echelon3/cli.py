@@ -120,6 +120,7 @@ def _execute(args) -> None:
     from echelon3.data import loaders
     from echelon3.distributed import runtime
     from echelon3.observe import mlflow_config, wandb_config
+    from echelon3.tasks import early
 
     module, function, _ = TASKS[args.command]
     task_module = importlib.import_module(module)
@@ -130,29 +131,21 @@ def _execute(args) -> None:
 
     held = contextlib.ExitStack()  # target.path's lock, claimed once the checks pass
 
-    def validate(plan):
+    def validate(plan) -> bool:
         check_sections(rc.cfg)
         mlflow_config.check(rc.cfg)
         wandb_config.check(rc.cfg)
         loaders.check_batch_sizes(rc.cfg.get("dataloaders"), plan.world_size)
         check_specs(rc.cfg, rc.config_dir, skip=OTHER_TASKS_ONLY[args.command],
                     consumed=consumed)
-        if plan.spawn > 1:  # in one process the task itself refuses as early
-            _refuse_early(args.command, rc)
+        here = early.launched_here()  # under torchrun / srun each rank's task decides
+        if here:
+            early.refuse(args.command, rc)
         held.enter_context(lock.for_launch(args.command, rc.cfg))
+        return here and early.finished(args.command, rc)
 
     with held:
         runtime.launch(task, rc, validate)
-
-
-def _refuse_early(command: str, rc) -> None:
-    """A refusal the workers would make that the launcher can see: before any spawns.
-    (``evaluate`` of a run with no checkpoint is left to the task, which reports a config
-    mistake first.)"""
-    if command in ("train", "finetune"):
-        from echelon3.tasks.identity import refuse_changed_config
-
-        refuse_changed_config(rc.cfg, rc.config_dir)
 
 
 def _load(args):

@@ -32,10 +32,11 @@ def test_parity_reports_gpu_rows_as_no_gpu_without_cuda(capsys):
     assert len(gpu_rows) == 2 and all("| no GPU |" in line for line in gpu_rows), out
 
 
-def test_startup_measures_help_and_the_first_step(capsys):
+def test_startup_measures_help_a_finished_run_and_the_first_step(capsys):
     assert startup.main(["--smoke", "--runs", "1", "--no-append"]) == 0
     out = capsys.readouterr().out
     assert "`echelon3 --help`" in out and "to its first training step" in out
+    assert "`train` of a finished run |" in out  # it exited 0, or main would have raised
     help_row = next(line for line in out.splitlines() if "`echelon3 --help`" in line)
     assert "met" in help_row  # --help imports neither torch nor the tasks
 

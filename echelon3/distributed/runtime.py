@@ -245,13 +245,15 @@ def _reported(e: Exception, rank: str) -> int:
     return 1
 
 
-def launch(task: Task, rc: RunConfig, validate: Callable[[Plan], None] | None = None) -> None:
-    """Plan, validate before anything starts, then run in-process or spawn workers."""
+def launch(task: Task, rc: RunConfig, validate: Callable[[Plan], bool | None] | None = None
+           ) -> None:
+    """Plan, validate before anything starts, then run in-process or spawn workers.
+    ``validate`` returning True settled the task itself (a finished run): nothing runs."""
     configure_logging()
     plan = plan_devices(rc.cfg)
     derive(rc.cfg, plan.world_size)  # ${calc:...} over world_size and the config, once here
-    if validate is not None:
-        validate(plan)
+    if validate is not None and validate(plan):
+        return
     if plan.spawn <= 1:
         run_worker(task, rc, plan)
         return
