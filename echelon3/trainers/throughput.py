@@ -61,13 +61,16 @@ class Throughput:
     def __init__(self, count_tokens: Any = "auto", flops_per_step: Any = None,
                  peak_flops: Any = None):
         if count_tokens not in ("auto", True, False):
-            raise ConfigError(TOKENS_KEY, f"must be auto, true or false, got {count_tokens!r}")
+            raise ConfigError("trainer.config.count_tokens",
+                              f"must be auto, true or false, got {count_tokens!r}")
         if flops_per_step not in (None, "count") and not _positive(flops_per_step):
-            raise ConfigError(FLOPS_KEY, "must be null, count, or the FLOPs of one optimizer "
-                              f"step over all ranks (a positive number), got {flops_per_step!r}")
+            raise ConfigError("trainer.config.flops_per_step",
+                              "must be null, count, or the FLOPs of one optimizer step over "
+                              f"all ranks (a positive number), got {flops_per_step!r}")
         if peak_flops is not None and not _positive(peak_flops):
-            raise ConfigError(PEAK_KEY, f"must be null (the peak table's) or one device's peak "
-                              f"FLOP/s (a positive number), got {peak_flops!r}")
+            raise ConfigError("trainer.config.peak_flops",
+                              "must be null (the peak table's) or one device's peak FLOP/s "
+                              f"(a positive number), got {peak_flops!r}")
         self.tokens_mode = count_tokens
         self.counting = flops_per_step == "count"  # on the first micro-batch
         self.flops_per_step = None if flops_per_step in (None, "count") else float(flops_per_step)
@@ -84,8 +87,9 @@ class Throughput:
         from echelon3.observe.peaks import device_peak
 
         if self.counting and net is not None and sharded_module(net) is not None:
-            raise ConfigError(FLOPS_KEY, "count is not available under strategy: fsdp; give "
-                              "the FLOPs of one optimizer step over all ranks as a number")
+            raise ConfigError("trainer.config.flops_per_step",
+                              "count is not available under strategy: fsdp; give the FLOPs "
+                              "of one optimizer step over all ranks as a number")
         self.world = world
         if self.peak is not None or (self.flops_per_step is None and not self.counting):
             return
