@@ -133,11 +133,10 @@ def finish(folder: Path, epochs: int, started: float, before: tuple[int, int] | 
         trained = trained_line(epochs, before, summary["elapsed_s"])
     if resumed_from:
         trained += f"\n  from     {Path(resumed_from).name}"
-    if throughput:
-        trained += f"\n  speed    {speed_line(throughput)}"
-    log.info("%s%s\n  best     %s\n  written  %s%s: %s", trained,
+    speed = f"\n  speed    {speed_line(throughput)}" if throughput else ""
+    log.info("%s%s\n  best     %s\n  written  %s%s: %s%s", trained,
              f"\n  {stopped}" if stopped else "", best_line, folder, os.sep,
-             ", ".join(summary["files"]))
+             ", ".join(summary["files"]), speed)
     return summary
 
 
