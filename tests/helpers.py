@@ -93,12 +93,21 @@ def target(folder: Path) -> Path:
     return folder / "out"
 
 
+def without_clock(records: list[dict]) -> list[dict]:
+    """``records`` without the wall clock, never equal between two runs: no ``time``
+    records, and train records without their throughput."""
+    from echelon3.trainers.throughput import CLOCK_KEYS
+
+    return [{k: v for k, v in r.items() if k not in CLOCK_KEYS} for r in records
+            if r["split"] != "time"]
+
+
 def history(run_dir: Path, split: str | None = None) -> list[dict]:
-    """The records of ``split``; without one, all but the ``time`` records (wall-clock
-    measurements, never equal between two runs)."""
+    """The records of ``split``; without one, all but the ``time`` records, and train
+    records without their throughput (:func:`without_clock`)."""
     records = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
     if split is None:
-        return [r for r in records if r["split"] != "time"]
+        return without_clock(records)
     return [r for r in records if r["split"] == split]
 
 

@@ -142,6 +142,11 @@ def test_two_ranks_accumulating_equal_one_process_with_the_whole_batch(tmp_path)
     norms = [[r["grad_norm"] for r in history(run / "out", "train")] for run in (ranks, single)]
     assert len(norms[0]) == 6 and max(norms[1]) > 0.5
     assert norms[0] == pytest.approx(norms[1], rel=1e-4)
+    # Every record's samples/s x its time is the step's 32 samples, summed over both ranks'
+    # 2 micro-batches of 8 (the step's time: step_ms, one step per record), also resumed.
+    for run in (ranks, single):
+        seen = [r["samples_per_s"] * r["step_ms"] / 1e3 for r in history(run / "out", "train")]
+        assert seen == pytest.approx([32] * 6, rel=1e-9)
 
 
 def test_ddp_all_reduces_once_per_window(tmp_path):

@@ -41,10 +41,10 @@ def test_every_epoch_records_where_its_time_went(tmp_path, caplog):
     records = _time_records(trainer)
     assert [(r["epoch"], r["step"]) for r in records] == [(1, 4), (2, 8), (3, 12)]
     for r in records:
-        assert r["steps"] == 4 and r["epoch_s"] > 0 and r["step_ms"] > 0
+        assert r["steps"] == 4 and r["epoch_s"] > 0 and r["batch_ms"] > 0
         assert all(0.0 <= r[k] <= 1.0 for k in FRACTIONS)
         assert math.isclose(sum(r[k] for k in FRACTIONS), 1.0, abs_tol=1e-9)
-        assert "device_util" not in r and "device_step_ms" not in r  # CPU: no device clock
+        assert "device_util" not in r and "device_batch_ms" not in r  # CPU: no device clock
     # The log says it once, after the first steady-state epoch (epoch 2).
     said = [m for m in caplog.messages if m.startswith("where the time went")]
     assert len(said) == 1 and said[0].startswith("where the time went in epoch 2 ("), said
@@ -75,12 +75,12 @@ def test_a_fast_loader_is_not_called_input_bound(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("report, cuda, expected", [
-    ({"data_wait": 0.6, "train_step": 0.3, "step_ms": 5.0}, True, "pin_memory: true"),
-    ({"data_wait": 0.05, "train_step": 0.9, "step_ms": 0.3, "device_util": 0.2}, True,
+    ({"data_wait": 0.6, "train_step": 0.3, "batch_ms": 5.0}, True, "pin_memory: true"),
+    ({"data_wait": 0.05, "train_step": 0.9, "batch_ms": 0.3, "device_util": 0.2}, True,
      "compile: true"),
-    ({"data_wait": 0.05, "train_step": 0.9, "step_ms": 0.3}, False, "compile: true"),
-    ({"data_wait": 0.05, "train_step": 0.9, "step_ms": 40.0}, False, None),
-    ({"data_wait": 0.05, "train_step": 0.9, "step_ms": 0.3, "device_util": 0.95}, True, None),
+    ({"data_wait": 0.05, "train_step": 0.9, "batch_ms": 0.3}, False, "compile: true"),
+    ({"data_wait": 0.05, "train_step": 0.9, "batch_ms": 40.0}, False, None),
+    ({"data_wait": 0.05, "train_step": 0.9, "batch_ms": 0.3, "device_util": 0.95}, True, None),
 ])
 def test_the_lever_names_one_setting_only_when_the_limit_is_clear(report, cuda, expected):
     clock = EpochClock(torch.device("cpu"))

@@ -30,6 +30,7 @@ import yaml
 
 from echelon3 import cli
 from tests.conftest import probe_config, run_cli
+from tests.helpers import without_clock
 from tests.probe import ProbeNet
 from tests.slurm import faults
 from tests.slurm.cluster import run_bounded
@@ -152,7 +153,7 @@ def _final(wf: Path, exp: str) -> dict:
 def _history(wf: Path, exp: str) -> list[dict]:
     """Train and validation records (time records hold wall-clock figures)."""
     text = (wf / "results" / exp / "history.jsonl").read_text()
-    return [r for r in map(json.loads, text.splitlines()) if r["split"] != "time"]
+    return without_clock(list(map(json.loads, text.splitlines())))
 
 
 def _jobs(wf: Path, exp: str) -> list[str]:

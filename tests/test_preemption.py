@@ -21,6 +21,7 @@ from echelon3 import cli
 from echelon3.checkpoints.files import CheckpointManager
 from echelon3.distributed import preemption
 from tests.conftest import echelon3_cmd, probe_config, run_cli
+from tests.helpers import without_clock
 from tests.test_dist import _alive, _descendants, _session_pids, _wait_for
 
 EPOCHS, STEPS = 3, 8  # 64 samples, global batch 8
@@ -44,7 +45,7 @@ def _args(directory: Path, world: int) -> list[str]:
 def _history(directory: Path) -> list[dict]:
     """The run's train and validation records (losses, metrics, steps, learning rates)."""
     lines = (directory / "run" / "history.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["split"] != "time"]  # time: wall clock
+    return without_clock(list(map(json.loads, lines)))  # no wall clock
 
 
 def _final(directory: Path) -> dict:

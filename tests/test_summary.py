@@ -27,6 +27,9 @@ def test_train_ends_with_a_summary_block_and_summary_json(tmp_path, capsys):
                                "selected on the test set): ")
     assert accuracy in block[1]
     assert block[2] == f"  written  {out}/: {', '.join(summary['files'])}"
+    speed = summary["throughput"]  # 12 steps of 32 samples, the first record's 2 left out
+    assert speed["steps_timed"] == 10 and speed["first_record_left_out"] is True
+    assert block[3].startswith(f"  speed    {speed['samples_per_s']:.4g} samples/s, ")
 
 
 def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_of_it(tmp_path, capsys):

@@ -12,11 +12,13 @@ epoch :meth:`EpochClock.report` returns the fractions of the epoch's wall time:
                    scheduler;
 - ``validation_checkpoint``  validation, keep-best and the checkpoint.
 
-They sum to 1; ``epoch_s`` is the epoch's wall time and ``cpu_s`` the CPU time
-this process used in it (all threads; on a shared machine the steadier measure).
+They sum to 1; ``epoch_s`` is the epoch's wall time, ``cpu_s`` the CPU time
+this process used in it (all threads; on a shared machine the steadier measure) and
+``batch_ms`` the host's time per micro-batch in ``train_step`` (the train records'
+``step_ms`` is the wall time per optimizer step: :mod:`echelon3.trainers.throughput`).
 With torch.compile it adds ``compiles``: graphs compiled during the epoch; after
 the first epoch (warm-up) any is a recompile, and is warned about. On a GPU it
-adds ``device_step_ms`` (CUDA events around one step per log interval, read
+adds ``device_batch_ms`` (CUDA events around one micro-batch per log interval, read
 without waiting) and ``device_util`` (NVML's utilization, when pynvml is
 installed). The cost is four clock reads per step.
 """
@@ -66,6 +68,7 @@ class EpochClock:
         self.cuda = self.device.type == "cuda"
         self.compiled = compiled
         self._events: tuple | None = None
+        self.aside_total = 0.0  # validation and checkpoints since the clock was made
         self._reset()
 
     def _reset(self) -> None:
@@ -127,7 +130,9 @@ class EpochClock:
         try:
             yield
         finally:
-            self.aside_s += time.perf_counter() - started
+            spent = time.perf_counter() - started
+            self.aside_s += spent
+            self.aside_total += spent
 
     # ------------------------------------------------------------------ per epoch
 
@@ -140,10 +145,10 @@ class EpochClock:
         parts["overhead"] = max(0.0, wall - sum(parts.values()))
         total = sum(parts.values())
         out = {"epoch_s": wall, "cpu_s": time.process_time() - self._cpu, "steps": self.steps,
-               "step_ms": 1e3 * self.step / max(1, self.steps)}
+               "batch_ms": 1e3 * self.step / max(1, self.steps)}
         out.update({k: v / total for k, v in parts.items()})
         if self._device_ms:
-            out["device_step_ms"] = sorted(self._device_ms)[len(self._device_ms) // 2]
+            out["device_batch_ms"] = sorted(self._device_ms)[len(self._device_ms) // 2]
         if self._util:
             out["device_util"] = sum(self._util) / len(self._util)
         if self.compiled:
@@ -165,18 +170,19 @@ class EpochClock:
         if self.cuda and util is not None and util < LAUNCH_BOUND_UTIL:
             return (f"launch-bound: the GPU is busy {util:.0%} of the time with data on time; "
                     "set trainer.config.compile: true (compile_mode: reduce-overhead)")
-        if not self.cuda and report["train_step"] > 0.5 and report["step_ms"] < 1e3 * CPU_LAUNCH_BOUND_S:
-            return (f"launch-bound: {report['step_ms']:.2f} ms steps are mostly per-operation "
-                    "dispatch; try trainer.config.compile: true, or a larger batch")
+        if not self.cuda and report["train_step"] > 0.5 and \
+                report["batch_ms"] < 1e3 * CPU_LAUNCH_BOUND_S:
+            return (f"launch-bound: {report['batch_ms']:.2f} ms micro-batches are mostly "
+                    "per-operation dispatch; try trainer.config.compile: true, or a larger batch")
         return None
 
     def summary(self, epoch: int, report: dict[str, float]) -> str:
         shares = ", ".join(f"{k.replace('_', ' ', 1)} {report[k]:.0%}" for k in
                            ("data_wait", "train_step", "overhead", "validation_checkpoint"))
         extra = ""
-        if "device_step_ms" in report:
-            extra += f", device {report['device_step_ms']:.2f} ms/step"
+        if "device_batch_ms" in report:
+            extra += f", device {report['device_batch_ms']:.2f} ms/batch"
         if "device_util" in report:
             extra += f", GPU busy {report['device_util']:.0%}"
         return (f"where the time went in epoch {epoch} ({report['epoch_s']:.2f} s): {shares}; "
-                f"{report['step_ms']:.2f} ms/step{extra}")
+                f"{report['batch_ms']:.2f} ms/batch{extra}")

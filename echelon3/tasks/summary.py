@@ -70,13 +70,39 @@ def steps_line(steps: int, before: int, max_steps: int, elapsed: float) -> str:
     return f"trained steps {before + 1}-{steps} of {max_steps}{resumed} in {elapsed:.1f} s"
 
 
+def flop_rate(flops_per_s: float) -> str:
+    """``312 TFLOP/s``, ``1.3 MFLOP/s``."""
+    for prefix, size in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if flops_per_s >= size:
+            return f"{flops_per_s / size:.3g} {prefix}FLOP/s"
+    return f"{flops_per_s:.3g} FLOP/s"
+
+
+def speed_line(throughput: dict) -> str:
+    """``1.23e+04 samples/s, 4.5 ms/step, MFU 41.2%`` from the summary's ``throughput``."""
+    parts = [f"{throughput['samples_per_s']:.4g} samples/s"]
+    if "tokens_per_s" in throughput:
+        parts.append(f"{throughput['tokens_per_s']:.4g} tokens/s")
+    parts.append(f"{throughput['step_ms']:.4g} ms/step")
+    if "flops_per_s" in throughput:
+        parts.append(flop_rate(throughput["flops_per_s"]))
+    mfu = throughput.get("mfu")
+    if mfu is not None:
+        parts.append(f"MFU {mfu:.1%}" if isinstance(mfu, float) else f"MFU {mfu}")
+    warm = " (after the first record)" if throughput.get("first_record_left_out") else ""
+    return ", ".join(parts) + warm
+
+
 def finish(folder: Path, epochs: int, started: float, before: tuple[int, int] | int = 0,
            stopped: str | None = None, steps: int | None = None,
-           max_steps: int | None = None, resumed_from: Path | None = None) -> dict | None:
+           max_steps: int | None = None, resumed_from: Path | None = None,
+           throughput: dict | None = None) -> dict | None:
     """Write ``summary.json`` and log the closing block (rank 0); the summary.
     ``epochs``, ``steps``: done in all; ``before``: (epochs, steps) done before this
     attempt; ``stopped``: why early stopping ended the run, if it did; ``max_steps``: the
-    run is counted in steps; ``resumed_from``: the checkpoint this attempt went on from."""
+    run is counted in steps; ``resumed_from``: the checkpoint this attempt went on from;
+    ``throughput``: this attempt's samples/s, step time and MFU
+    (:meth:`echelon3.trainers.throughput.Throughput.summary`)."""
     if not is_main():
         return None
     before, before_steps = before if isinstance(before, tuple) else (before, 0)
@@ -91,6 +117,7 @@ def finish(folder: Path, epochs: int, started: float, before: tuple[int, int] | 
                   if steps is not None else {}),
                **({"max_steps": max_steps} if max_steps is not None else {}),
                **({"resumed_from": Path(resumed_from).name} if resumed_from else {}),
+               **({"throughput": throughput} if throughput else {}),
                **({"stopped_early": stopped} if stopped else {})}
     atomic_write_text(folder / SUMMARY, json.dumps(summary, indent=2) + "\n")
     if best is None:
@@ -107,9 +134,10 @@ def finish(folder: Path, epochs: int, started: float, before: tuple[int, int] | 
         trained = trained_line(epochs, before, summary["elapsed_s"])
     if resumed_from:
         trained += f"\n  from     {Path(resumed_from).name}"
-    log.info("%s%s\n  best     %s\n  written  %s%s: %s", trained,
+    speed = f"\n  speed    {speed_line(throughput)}" if throughput else ""
+    log.info("%s%s\n  best     %s\n  written  %s%s: %s%s", trained,
              f"\n  {stopped}" if stopped else "", best_line, folder, os.sep,
-             ", ".join(summary["files"]))
+             ", ".join(summary["files"]), speed)
     return summary
 
 

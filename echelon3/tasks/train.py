@@ -197,7 +197,9 @@ def _train(rc: RunConfig, device, launcher) -> None:
                      stopped=trainer.stopped_early() if hasattr(trainer, "stopped_early")
                      else None, steps=getattr(trainer, "global_step", None),
                      max_steps=planned_max_steps(rc.cfg),
-                     resumed_from=getattr(trainer, "resumed_from", None))
+                     resumed_from=getattr(trainer, "resumed_from", None),
+                     throughput=trainer.throughput.summary()
+                     if hasattr(trainer, "throughput") else None)
     tracker.finish(summary)  # summary.json gets `mlflow` / `wandb` entries; files to MLflow
 
 

@@ -17,8 +17,9 @@ What happens for each micro-batch, in this order (the one place it is written):
    the running means (not when skipped).
 5. At a log point (every ``log_every_n_steps`` optimizer steps, and at the end
    of the epoch): one collective starts (losses, non-finite flag, preemption
-   flag under DDP) and the previous log point's is read: its train record is
-   written, a non-finite loss stops the run, a preemption stops it here.
+   flag under DDP, samples and tokens) and the previous log point's is read: its
+   train record is written with its throughput (:mod:`echelon3.trainers.throughput`),
+   a non-finite loss stops the run, a preemption stops it here.
 6. At a validation point (``times_to_validate_per_epoch``, at window ends, or every
    ``val_check_interval`` optimizer steps: :mod:`echelon3.trainers.length`): validation,
    keep-best and ``best.tar`` (in the step mode, early stopping too). Then a step
@@ -44,6 +45,7 @@ Mid-epoch state has one home, :mod:`echelon3.trainers.state`.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -72,6 +74,7 @@ from echelon3.trainers.running import RunningLosses
 from echelon3.trainers.state import EpochPosition, MidEpoch
 from echelon3.trainers.step_checkpoints import StepCheckpoints, StepSaving
 from echelon3.trainers.stepping import SKIP, STEP, WAIT, Stepping
+from echelon3.trainers.throughput import Throughput
 from echelon3.trainers.validating import Validation
 
 log = logging.getLogger(__name__)
@@ -91,7 +94,9 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
                  nan_policy: str = "stop", grad_accum_steps: int = 1,
                  profile: Mapping | None = None, scheduler_interval: str = "epoch",
                  gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm",
-                 early_stopping: Mapping | None = None, ema: Mapping | None = None):
+                 early_stopping: Mapping | None = None, ema: Mapping | None = None,
+                 count_tokens: Any = "auto", flops_per_step: Any = None,
+                 peak_flops: float | None = None):
         self.length = RunLength(epochs, max_steps, val_check_interval, validate_at_start,
                                 times_to_validate_per_epoch)
         self.net, self.losses, self.optimizer = net, losses, optimizer
@@ -122,6 +127,10 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
         single = len(losses) == 1 and next(iter(losses.values()))[1] == 1
         self.running = RunningLosses(["loss", *losses], same_as_total=single, device=device)
         self.logpoint = LogPoint()
+        self.throughput = Throughput(count_tokens, flops_per_step, peak_flops)
+        self.throughput.resolve_peak(device, getattr(precision, "mode", "fp32"),
+                                     get_world_size(), net)
+        self._clock: EpochClock | None = None
         self._stop = False  # a rank received a preemption signal (read at a log point)
         self.position = EpochPosition()
         self.mid_epoch = MidEpoch(position=self.position, nonfinite=self.nonfinite,
@@ -203,6 +212,13 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
         if self.interval == "step" and self.scheduler is not None:
             self.scheduler.step()
 
+    def _step_flops(self, batch) -> int:
+        """One micro-batch's forward and backward FLOPs on this rank, training untouched."""
+        from echelon3.trainers.flops import micro_batch_flops
+
+        return micro_batch_flops(self.net, self.losses, batch, self.precision,
+                                 self._params(), self.device, self.float_labels)
+
     # ------------------------------------------------------------------ the loop
 
     def _train_epoch(self, epoch: int, clock: EpochClock) -> str | None:
@@ -217,10 +233,14 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
         sample_at = self.log_every // 2 if clock.cuda and self.log_every >= 4 else -1
         self._bar = bar = self._progress(epoch, steps, done)
         self._stop, ended, profiled = False, None, False
+        self.throughput.start(time.perf_counter(), self.global_step, clock.aside_total)
         for i, batch in enumerate(self.profiler.batches(clock.batches(batches)), start=done + 1):
             if interrupted():
                 raise KeyboardInterrupt
             scale, last = self.stepping.window(i - 1, steps)
+            if self.throughput.counting:  # once: the FLOPs of a step, for the MFU
+                with clock.aside():
+                    self.throughput.counted(self._step_flops(batch), self.stepping.steps)
             started = clock.step_started()
             with naming_bad_labels(batch, self.metrics):
                 if i % self.log_every == sample_at:
@@ -228,6 +248,7 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
                 else:
                     decision = self.micro_batch(batch, scale, last)
             clock.step_ended(started)
+            self.throughput.add(batch)
             self.position.step = i
             bar.update()
             profiled = self.profiler.step() or profiled
@@ -299,7 +320,8 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
         done = self.stopped_early() or self.length.finished(self.epoch, self.global_step)
         if done:
             log.info("nothing to train: %s", done)
-        clock = EpochClock(self.device, self.train_loader, compiled=is_compiled(self.net))
+        self._clock = clock = EpochClock(self.device, self.train_loader,
+                                         compiled=is_compiled(self.net))
         start = self.epoch
         report_after = start + 1 if self.epochs is None else min(start + 1, self.epochs - 1)
         self.profiler.start()

@@ -11,6 +11,7 @@ host never waits for the device and no step but a log point runs a collective.
 
 from __future__ import annotations
 
+import time
 from typing import Mapping
 
 import torch
@@ -22,14 +23,21 @@ from echelon3.distributed.ranks import get_world_size
 class LogPoint:
     def __init__(self):
         self._pending = None
+        self.read_at, self.synced = 0.0, False  # when the last exchange read its previous
+
 
     def exchange(self, record: dict | None, values: Mapping[str, torch.Tensor]):
         """Start summing ``values`` (tensors on one device) over the ranks; return the
         previous exchange as ``(record, {name: [floats]})``, or None."""
         previous = self.flush()
+        # Reading a device's numbers waits for all it was given: the wall clock now is
+        # the device's too (on the CPU always).
+        self.read_at = time.perf_counter()
+        self.synced = previous is not None or not any(v.is_cuda for v in values.values())
         names = list(values)
         sizes = [values[n].numel() for n in names]
-        flat = torch.cat([values[n].detach().float().reshape(-1) for n in names])
+        # float64: counts of samples and tokens stay exact (float32 is exact below 2**24)
+        flat = torch.cat([values[n].detach().double().reshape(-1) for n in names])
         work = None
         if get_world_size() > 1 and flat.is_cuda:  # NCCL: queued behind the step, read later
             work = tdist.all_reduce(flat, async_op=True)
@@ -54,7 +62,13 @@ class LogPoint:
 
 class LogPoints:
     """Step 5 of the trainer's order, mixed into the trainer (which provides the running
-    losses, the non-finite guard, clipping, the logger and the step checkpoints' clock)."""
+    losses, the non-finite guard, clipping, the throughput, the logger and the step
+    checkpoints' clock)."""
+
+    def clock_aside(self) -> float:
+        """Seconds spent in validation and checkpoints so far (out of the throughput)."""
+        clock = getattr(self, "_clock", None)
+        return 0.0 if clock is None else clock.aside_total
 
     def _log_point(self, epoch: int) -> None:
         """Start this interval's collective, act on the previous one's."""
@@ -70,14 +84,22 @@ class LogPoints:
                                           device=self.device)
         if means is not None:
             values["losses"] = means
+            seen = self.throughput.take()
+            if get_world_size() > 1:
+                values["seen"] = torch.tensor(seen, dtype=torch.float64, device=self.device)
         norms = self.clipping.take(get_world_size())
         if norms is not None:
             values["grad_norm"] = norms
         record = {"split": "train", "epoch": epoch, "step": self.global_step, "lr": self._lr}
         self._act(self.logpoint.exchange(record if means is not None else None, values))
+        if means is not None:
+            self.throughput.mark(record, self.logpoint.read_at, self.logpoint.synced,
+                                 self.global_step, self.clock_aside(), seen)
 
     def _flush_logs(self) -> None:
-        self._act(self.logpoint.flush())
+        read = self.logpoint.flush()
+        self.throughput.settle(time.perf_counter(), self.clock_aside())
+        self._act(read)
 
     def _act(self, read) -> None:
         if read is None:
@@ -86,6 +108,7 @@ class LogPoints:
         self.nonfinite.read(values["bad"][0])
         if record is not None:
             record = self.running.fill(record, values["losses"])
+            record = self.throughput.fill(record, values.get("seen"))
             if "grad_norm" in values:
                 record["grad_norm"] = self.clipping.read(values["grad_norm"])
             self.logger.log(record)

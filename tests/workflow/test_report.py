@@ -180,6 +180,20 @@ def test_a_validation_in_the_middle_of_an_epoch_sits_there_and_so_does_its_best(
     assert list(lines["accuracy"].get_xdata()) == [2.5]
 
 
+def test_train_records_with_a_throughput_add_a_panel_of_tokens_per_second_and_mfu():
+    records = history(epochs=2, steps=2)
+    for r in records:
+        if r["split"] == "train":
+            r.update(samples_per_s=10.0 * r["step"], tokens_per_s=50.0 * r["step"],
+                     mfu=0.01 * r["step"])
+    fig = report_plots.draw_curves("exp", records, best_epoch=2)
+    loss_ax, metric_ax, speed_ax, mfu_ax = fig.axes
+    (rate,) = speed_ax.lines
+    assert speed_ax.get_ylabel() == "tokens/s" and list(rate.get_ydata()) == [50, 100, 150, 200]
+    assert list(mfu_ax.lines[0].get_ydata()) == pytest.approx([1, 2, 3, 4])  # in percent
+    assert len(report_plots.draw_curves("exp", history(), best_epoch=2).axes) == 2
+
+
 def test_curves_of_a_run_selected_on_the_test_set_say_test():
     fig = report_plots.draw_curves("exp", history(), best_epoch=4, selected_on="test")
     loss_ax, metric_ax = fig.axes

@@ -119,6 +119,23 @@ def _draw_parent(loss_ax, metric_ax, parent, at=_at):
     return start
 
 
+def _draw_speed(ax, train, ends, at, offset):
+    """The train records' throughput (tokens/s when counted, else samples/s) and, on a
+    second axis, their MFU."""
+    rate = "tokens_per_s" if any("tokens_per_s" in r for r in train) else "samples_per_s"
+    points = [(at(r["epoch"], r["step"], ends) + offset, r[rate]) for r in train if rate in r]
+    if points:
+        ax.plot(*zip(*points), lw=1, color="tab:green", label=rate.replace("_per_s", "/s"))
+    mfu = [(at(r["epoch"], r["step"], ends) + offset, 100 * r["mfu"]) for r in train
+           if isinstance(r.get("mfu"), (int, float))]
+    if mfu:
+        twin = ax.twinx()
+        twin.plot(*zip(*mfu), lw=1, ls="--", color="tab:purple", label="MFU")
+        twin.set_ylabel("MFU (%)")
+        twin.legend(fontsize="small", loc="lower right")
+    return rate.replace("_per_s", "/s")
+
+
 def save(fig, path):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -132,13 +149,16 @@ def draw_curves(name, records, best_epoch, selected_on="val", parent=None, best_
     best epoch and step) marked on both. `selected_on: test`: the curves say test, not
     validation. `parent`: (name, records, summary's best) of the run this one was
     fine-tuned from. `by_steps`: a run counted in steps (``max_steps``), drawn against
-    optimizer steps instead of epochs."""
+    optimizer steps instead of epochs. Train records with a throughput add a third
+    panel: tokens/s (or samples/s) and the MFU."""
     train, val, keys = _split(records)
     ends = _epoch_ends(records)
     at = _at_step if by_steps else _at
     unit = "step" if by_steps else "epoch"
     data = "validation" if selected_on == "val" else "test"
-    fig, (loss_ax, metric_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    speed = any("samples_per_s" in r for r in train)
+    fig, axes = plt.subplots(1, 3 if speed else 2, figsize=(16 if speed else 11, 4))
+    loss_ax, metric_ax = axes[:2]
     offset = _draw_parent(loss_ax, metric_ax, parent, at)
     if train:
         xs, ys = zip(*_train_points(train, ends, at))
@@ -170,6 +190,9 @@ def draw_curves(name, records, best_epoch, selected_on="val", parent=None, best_
     chosen = "validation metrics" if data == "validation" else \
         "test-set metrics (no validation data: the test set chose best.tar)"
     _finish_axes(metric_ax, chosen, "metric value", xlabel)
+    if speed:
+        rate = _draw_speed(axes[2], train, ends, at, offset)
+        _finish_axes(axes[2], "training throughput (higher is better)", rate, xlabel)
     fig.suptitle(f"{name}: learning curves" + (f", fine-tuned from {parent[0]}" if offset
                                                 else ""))
     return fig
