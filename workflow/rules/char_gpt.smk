@@ -19,7 +19,7 @@ rule char_text:
         mem_mb=2000,
         runtime=10,
     params:
-        folder=CHAR_TEXT,
+        folder=target_dir,
     shell:
         "python -m echelon3.datasets.char_text {params.folder:q} > {log:q} 2>&1"
 
