@@ -26,6 +26,16 @@ WARMUP = ("scheduler.config.milestones=[5]",  # of STEPS, as the shipped 20 are 
           "scheduler.config.schedulers.1.config.T_max=total_steps - 5")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A network this small runs fastest on one thread; on a loaded machine two threads
+    cost many times the work in waiting."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("char_text")
