@@ -161,7 +161,8 @@ def table(rows: list[dict], args, s: dict) -> str:
         f"micro-batches of {s['batch_size']} windows (global); fp32, OMP_NUM_THREADS=1 per "
         f"rank; {args.runs} A/B-alternated runs per side; steady state from step "
         f"{s['steps'] // 5} to the last log point (every {s['log_every']} steps) before the "
-        "end. 2 processes: torchrun, DDP over gloo, `no_sync` inside accumulation windows.")
+        "end. 2 processes: torchrun, DDP over gloo, `no_sync` inside accumulation windows; "
+        "each rank draws its own windows, so the losses at 1 and 2 processes differ.")
     return "\n".join(lines)
 
 
