@@ -31,6 +31,7 @@ include: "workflow/rules/run.smk"
 include: "workflow/rules/export.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/summary.smk"
+include: "workflow/rules/char_gpt.smk"
 
 
 rule all:

@@ -54,3 +54,18 @@ def test_gpu_check_says_no_gpu_and_its_trainer_path_runs_on_the_cpu(capsys):
     assert "no CUDA GPU" in capsys.readouterr().out
     measured = gpu_check.trainer_steps("cpu", [], smoke=True)
     assert measured["ms"] > 0 and measured["compiles"] == [0, 0, 0]
+
+
+@pytest.mark.slow
+def test_gpt_loop_trains_the_same_gpt_by_hand_and_with_echelon3(capsys):
+    from benchmarks import gpt_loop
+
+    assert gpt_loop.main(["--smoke", "--no-append"]) == 0  # 1 and 2 processes
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert len(rows) == 2, out
+    for row in rows:
+        cells = [c.strip() for c in row.split("|")]
+        assert float(cells[4].strip("*")) > 0 and cells[7] == "yes", row
+        hand, ours = cells[6].split(" / ")
+        assert abs(float(hand) - float(ours)) <= 1e-4, row  # fp32: the same final loss

@@ -1,4 +1,6 @@
-"""``echelon3 run``: inference with a checkpoint, one CSV row per sample.
+"""``echelon3 run``: inference with a checkpoint, one CSV row per sample (the built-in
+:class:`Runner`; a runner whose ``reads_data`` is false is handed the network alone, e.g.
+:class:`echelon3.tasks.generate.TextGenerator`).
 
 Columns: ``index`` (position in its data set), ``set`` (only with named test
 sets), ``prediction`` (the arg-max class for classifier outputs, the value
@@ -106,10 +108,15 @@ def run(rc, device, launcher) -> None:
     from echelon3.tasks.inference import load_for_inference
 
     cfg = rc.cfg
-    require(cfg, "net", "dataloaders", "target", task="run")
+    require(cfg, "net", "target", task="run")
     seed_everything(int(cfg.get("seed", 0)))
     spec = build.with_default_type(cfg.get("runner"), "runner", "echelon3.tasks.run", "Runner")
     runner = build.instantiate(spec, "runner", rc.config_dir, path=cfg.target.path)
+    if not getattr(runner, "reads_data", True):  # e.g. echelon3.tasks.generate's text
+        net, precision = load_for_inference(rc, device, getattr(runner, "checkpoint", None))
+        runner(net=net, precision=precision, device=device)
+        return
+    require(cfg, "dataloaders", task="run")
     data = getattr(runner, "data", None)
     if data is not None:
         sets, named = {"run": build.instantiate(data, "runner.config.data", rc.config_dir)}, False
