@@ -13,7 +13,8 @@ even after a device-side assert).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping
+from collections.abc import Mapping
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import Dataset, default_collate
@@ -70,18 +71,29 @@ class GuardedDataset(Dataset):
         except UserError:
             raise
         except Exception as e:
-            raise DataError(self.key, f"sample {index}: {type(e).__name__}: "
-                            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+            raise self._error(index, e) from e
 
     def __getitems__(self, indices: list[int]) -> list:
-        samples = _Samples(self[i] for i in indices)
+        samples, dataset = _Samples(), self.dataset
+        try:  # one try for the batch: a raise names the index it happened at
+            for index in indices:
+                samples.append(dataset[index])
+        except UserError:
+            raise
+        except Exception as e:
+            raise self._error(index, e) from e
         samples.indices = list(indices)
         return samples
+
+    def _error(self, index, e: Exception) -> DataError:
+        text = str(e).strip()
+        return DataError(self.key, f"sample {index}: {type(e).__name__}: "
+                         f"{text.splitlines()[0] if text else ''}")
 
 
 def _signature(sample: Any) -> Any:
     if isinstance(sample, torch.Tensor):
-        return (tuple(sample.shape), sample.dtype)
+        return (sample.shape, sample.dtype)  # torch.Size: a tuple
     if isinstance(sample, Mapping):
         return {k: _signature(v) for k, v in sample.items()}
     if isinstance(sample, list | tuple):
@@ -159,14 +171,20 @@ def naming_bad_labels(batch: Any, metrics: Mapping) -> Iterator[None]:
     first metric that has ``num_classes``; any other failure passes through unchanged."""
     try:
         yield
-    except (IndexError, RuntimeError, ValueError) as e:
-        found = _bad_label(batch, metrics)
+    except LABEL_ERRORS as e:
+        found = bad_label(batch, metrics)
         if found is None:
             raise
         raise found from e
 
 
-def _bad_label(batch: Any, metrics: Mapping) -> DataError | None:
+LABEL_ERRORS = (IndexError, RuntimeError, ValueError)  # what a loss or metric raises on one
+
+
+def bad_label(batch: Any, metrics: Mapping) -> DataError | None:
+    """The error naming a label of ``batch`` outside the classes of the first metric that
+    has ``num_classes``; None when every label is inside (the failure was something else).
+    The training loop calls it in its own ``except``: no context manager per micro-batch."""
     indices = getattr(batch, "indices", None)
     classes = _label_classes(metrics)
     if not indices or classes is None:
