@@ -147,14 +147,14 @@ def contention_paragraph(rows: list[dict]) -> str:
         launcher = ours["launcher"]["cpu"] + ours["other"]["cpu"]
         helpers_small = helpers_small and launcher < 0.05 * max(1e-9, ours["worker"]["cpu"])
         parts.append(
-            f"{'beside the hog' if r['busy'] else 'quiet'}: the ranks took "
+            f"{'Beside the hog' if r['busy'] else 'Quiet'}: the ranks took "
             f"{ours['worker']['cpu']:.3f} CPU s per epoch under echelon3's defaults, "
             f"{nofu['worker']['cpu']:.3f} s with ddp_find_unused_parameters: false and "
             f"{hand['worker']['cpu']:.3f} s hand-written; the unused-parameter search cost "
             f"{search:+.3f} s per epoch, echelon3's launcher and helpers {launcher:.3f} s "
             f"(torchrun's agent {hand['launcher']['cpu']:.3f} s)")
     return ("**What echelon3 added under contention.** On a busy machine each rank gets a "
-            "share of a core, so its wall time follows its CPU time. " + "; ".join(parts) +
+            "share of a core, so its wall time follows its CPU time. " + ". ".join(parts) +
             (". The launcher's polling and threads take under 5% of the ranks' CPU: the "
              "ranks' per-step work is where the time goes." if helpers_small else
              ". The launcher and its helpers take 5% or more of the ranks' CPU."))
