@@ -4,8 +4,9 @@ Run on a machine with a CUDA GPU:  python benchmarks/gpu_check.py
 Every row is measured in this run; speed rows are ratios of two runs side by side.
 The compile rows train through echelon3's own trainer (``echelon3 train``), as a
 user would: eager against ``compile: true, compile_mode: reduce-overhead``.
-Exits 1 if a correctness row fails, 0 otherwise; on a machine without CUDA it says so
-and exits 0.
+The DDP row counts host syncs per step under 2-rank NCCL DDP (2 GPUs; with fewer it
+says why it skipped). Exits 1 if a correctness row fails, 0 otherwise; on a machine
+without CUDA it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -124,6 +125,37 @@ def check_compile_speed(device) -> None:
     row("graphs compiled: epoch 1 / after", f"{warm} / {sum(later)}", sum(later) == 0)
 
 
+def check_ddp_host_syncs() -> None:
+    """Host syncs per optimizer step under 2-rank NCCL DDP, counted in each rank
+    (:mod:`benchmarks.sync_count`): the hot loop reads the device only at log points,
+    so the count per step stays under 2 (goal: < 2 per step). The window, steps 11-40
+    of epoch 1, holds one log point."""
+    if torch.cuda.device_count() < 2:
+        row("DDP NCCL host syncs / step", f"skipped: needs 2 GPUs, "
+            f"{torch.cuda.device_count()} visible")
+        return
+    from benchmarks.parity import echelon3_config
+    from benchmarks.workloads import workloads
+
+    w = next(v for v in workloads(True).values() if v.name.startswith("GPU: tiny MLP"))
+    with tempfile.TemporaryDirectory(prefix="gpu-check-ddp-") as tmp:
+        cfg = echelon3_config(w, Path(tmp) / "run")
+        cfg.update(gpus=[0, 1], net={"module": "benchmarks.sync_count",
+                                     "type": "SyncCountedMLP",
+                                     "config": dict(w.net["config"], warm=10, steps=30)})
+        cfg["trainer"]["config"].update(epochs=2, log_every_n_steps=25)
+        (Path(tmp) / "ddp.yaml").write_text(yaml.safe_dump(cfg))
+        done = subprocess.run([sys.executable, "-m", "echelon3", "train", "-cd", tmp, "-cn",
+                               "ddp"], cwd=REPO, capture_output=True, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(REPO), SYNC_COUNT_DIR=tmp))
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr[-2000:])
+        counts = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
+    per_step = max(c["syncs"] / c["steps"] for c in counts)
+    row("DDP NCCL host syncs / step (max rank)", f"{per_step:.2f} over {len(counts)} ranks",
+        len(counts) == 2 and per_step < 2)
+
+
 def check_end_to_end() -> None:
     """The digits CNN through the real CLI on the GPU: default precision, fp16, compile."""
     cli = [sys.executable, "-m", "echelon3"]
@@ -170,7 +202,8 @@ def main() -> int:
     print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
           f"{torch.cuda.device_count()} GPU(s)")
     print(f"  {'check':<44} {'value':<28} status")
-    for section in (check_precision, check_matmul_speed, check_compile_speed):
+    for section in (check_precision, check_matmul_speed, check_compile_speed,
+                    check_ddp_host_syncs):
         try:
             section(device)
         except Exception as e:  # keep going: one table with every row

@@ -1,6 +1,6 @@
 """echelon3 against the loop a researcher writes by hand, on the same work, side by side.
 
-    python benchmarks/parity.py [--runs 3] [--rows MLP] [--smoke] [--no-append]
+    python benchmarks/parity.py [--runs 3] [--rows MLP] [--hog] [--smoke] [--no-append]
 
 For each row of ``workloads.py`` the hand-written loop (``handwritten.py``) and
 ``echelon3 train`` run alternately (A/B, then B/A, ...). The time per epoch is
@@ -9,6 +9,11 @@ from the mtimes of the per-epoch checkpoints, divided by the epochs in between.
 Both must reach the same validation loss in fp32 (same seed). The table goes to
 stdout and, with the machine, date and command, is appended to
 ``benchmarks/RESULTS.md``. GPU rows run when CUDA is present, else say "no GPU".
+
+The DDP row (2 gloo ranks: ``echelon3 train`` with ``nproc: 2`` against
+``handwritten_ddp.py`` under torchrun, :mod:`benchmarks.parity_ddp`) runs quiet and,
+with ``--hog``, again beside one bounded busy loop per core, with where each side's
+CPU went (launcher, ranks, helpers).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import append_results, cuda_available, machine_info  # noqa: E402
-from benchmarks.workloads import Workload, workloads  # noqa: E402
+from benchmarks.parity_ddp import ddp_table, measure_ddp  # noqa: E402
+from benchmarks.workloads import Workload, ddp_workload, workloads  # noqa: E402
 
 
 def echelon3_config(w: Workload, target: Path) -> dict:
@@ -155,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="OMP_NUM_THREADS for both sides (default 1: steady on a shared "
                         "machine; 0 leaves torch's default)")
+    parser.add_argument("--hog", action="store_true",
+                        help="also run the DDP row beside a CPU hog on every core")
     parser.add_argument("--smoke", action="store_true", help="tiny rows: a correctness run")
     parser.add_argument("--no-append", action="store_true", help="do not write RESULTS.md")
     args = parser.parse_args(argv)
@@ -169,12 +177,28 @@ def main(argv: list[str] | None = None) -> int:
         results.append(measure(w, args.runs, args.smoke, args.threads))
         print(f"{w.name}: ratio wall {results[-1]['ratio_wall'][0]:.3f}, "
               f"CPU {results[-1]['ratio_cpu'][0]:.3f}", flush=True)
-    text = table(results, args.runs, args.threads)
+    ddp = ddp_rows(args)
+    text = table(results, args.runs, args.threads) if results else ""
+    text += ("\n\n" if text and ddp else "") + (ddp_table(ddp, args.runs) if ddp else "")
     print(text)
     if not args.no_append:
         append_results("parity", text, argv)
-    failed = [r for r in results if r.get("same_loss") is False]
+    failed = [r for r in results + ddp if r.get("same_loss") is False]
     return 1 if failed else 0
+
+
+def ddp_rows(args) -> list[dict]:
+    """The DDP row quiet, and beside the hog with ``--hog``."""
+    w = ddp_workload(args.smoke)
+    if args.rows.lower() not in w.name.lower():
+        return []
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="parity-ddp-") as tmp:
+        for busy in (False, True) if args.hog else (False,):
+            rows.append(measure_ddp(w, args.runs, args.smoke, busy, Path(tmp)))
+            print(f"{rows[-1]['row']}: ratio wall {rows[-1]['ratio_wall'][0]:.3f}, "
+                  f"CPU {rows[-1]['ratio_cpu']:.3f}", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ class Workload:
     test_size: int | None = None  # overrides data.config.size for the test set
     metrics: tuple = ("accuracy",)
     trainer_extra: dict = field(default_factory=dict)
+    nproc: int = 1  # gloo ranks on the CPU (echelon3's ``nproc``; torchrun's --nproc_per_node)
 
 
 def _blobs(size: int) -> dict:
@@ -125,6 +126,20 @@ def workloads(smoke: bool = False) -> dict[str, Workload]:
                  pin_memory=True, test_size=10_000 // scale),
     ]
     return {w.name: w for w in rows}
+
+
+def ddp_workload(smoke: bool = False) -> Workload:
+    """The 2-rank gloo row: a small MLP, global batch 32 in windows of 2 micro-batches,
+    clipping, AdamW; ``handwritten_ddp.py`` is its hand-written side."""
+    return Workload(
+        "DDP 2 gloo ranks: MLP, global batch 32, 2-step windows, clip, AdamW", "cpu",
+        {"module": "echelon3.nets.mlp", "type": "MLP",
+         "config": {"in_features": 32, "hidden": 128, "depth": 3}},
+        _blobs(512 if smoke else 20_480), 32, 256,
+        {"module": "torch.optim", "type": "AdamW", "config": {"lr": 0.001,
+                                                               "weight_decay": 0.01}},
+        _STEP, epochs=3 if smoke else 4, test_size=256 if smoke else 2_048,
+        trainer_extra={"grad_accum_steps": 2, "gradient_clip_val": 1.0}, nproc=2)
 
 
 class StampedMLP(nn.Module):

@@ -4,6 +4,7 @@ timing: the numbers they print on a loaded test machine mean nothing)."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,50 @@ def test_gpt_loop_trains_the_same_gpt_by_hand_and_with_echelon3(capsys):
         assert float(cells[4].strip("*")) > 0 and cells[7] == "yes", row
         hand, ours = cells[6].split(" / ")
         assert abs(float(hand) - float(ours)) <= 1e-4, row  # fp32: the same final loss
+
+
+_BUSY_CHILD = """
+import subprocess, sys
+code = ("import time\\nwhile time.process_time() < 0.6: pass\\nprint(time.process_time())\\n"
+        "time.sleep(0.6)  # busy-child")
+print(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout)
+"""
+
+
+def test_process_tree_accounting_matches_the_processes_own_cpu_clock():
+    from benchmarks.contention import run_sampled
+
+    done, tree, total = run_sampled([sys.executable, "-c", _BUSY_CHILD], ("busy-child",))
+    own = float(done.stdout.split()[0])  # the worker's own CPU clock at the end of its loop
+    roles = tree.between(tree.series[0][0], tree.series[-1][0])
+    assert roles["worker"]["processes"] == 1 and roles["worker"]["threads"] == 1
+    assert abs(roles["worker"]["cpu"] - own) < 0.15, (roles, own)
+    assert total >= own + roles["launcher"]["cpu"] - 0.05  # the kernel counts the whole tree
+
+
+def test_the_hog_burns_every_core_it_is_given_and_ends_with_its_block():
+    import psutil
+
+    from benchmarks import contention
+
+    before = set(psutil.Process().children())
+    with contention.hog(True, cores=2, limit_s=30):
+        busy = set(psutil.Process().children()) - before
+        assert len(busy) == 2
+        time.sleep(1.5)
+        used = [sum(p.cpu_times()[:2]) for p in busy]
+    # spinning (an idle interpreter takes ~0.03 s to start), even on a share of a loaded core
+    assert all(u > 0.15 for u in used), used
+    assert not any(p.is_running() for p in busy)
+    with contention.hog(False):
+        assert set(psutil.Process().children()) == before
+
+
+@pytest.mark.slow
+def test_parity_ddp_row_trains_all_three_sides_to_the_same_loss(capsys):
+    assert parity.main(["--smoke", "--runs", "1", "--rows", "DDP", "--no-append"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| DDP 2 gloo")]
+    assert len(rows) == 3 + 3, out  # three sides, then where their CPU went
+    assert sum("(same)" in line for line in rows) == 2, out
+    assert "What echelon3 added under contention" in out

@@ -21,6 +21,8 @@ from echelon3.config.errors import ConfigError, UserError, blame
 
 
 def split_batch(batch: Any) -> tuple[Any, torch.Tensor]:
+    if isinstance(batch, list | tuple) and len(batch) == 2:  # the common case, checked fast
+        return batch[0], batch[1]
     if isinstance(batch, Sequence) and len(batch) == 2:
         return batch[0], batch[1]
     if isinstance(batch, Mapping) and {"input", "target"} <= set(batch):

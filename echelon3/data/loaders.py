@@ -29,7 +29,8 @@ import warnings
 from typing import Any, Iterator, Mapping
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
+from torch.utils.data import (DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler,
+                              get_worker_info)
 
 from echelon3.config.build import instantiate, is_spec, to_plain
 from echelon3.config.errors import BatchSizeError, BuildError, ConfigError
@@ -70,7 +71,7 @@ class SeededDataset(Dataset):
         return getattr(self.dataset, name)
 
     def __getitem__(self, index):
-        if torch.utils.data.get_worker_info() is not None:
+        if get_worker_info() is not None:
             seed_sample(self.seed, int(self.epoch), index)
         return self.dataset[index]
 

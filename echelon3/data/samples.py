@@ -13,7 +13,8 @@ even after a device-side assert).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping
+from collections.abc import Mapping
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import Dataset, default_collate
@@ -70,18 +71,29 @@ class GuardedDataset(Dataset):
         except UserError:
             raise
         except Exception as e:
-            raise DataError(self.key, f"sample {index}: {type(e).__name__}: "
-                            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+            raise self._error(index, e) from e
 
     def __getitems__(self, indices: list[int]) -> list:
-        samples = _Samples(self[i] for i in indices)
+        samples, dataset = _Samples(), self.dataset
+        try:  # one try for the batch: a raise names the index it happened at
+            for index in indices:
+                samples.append(dataset[index])
+        except UserError:
+            raise
+        except Exception as e:
+            raise self._error(index, e) from e
         samples.indices = list(indices)
         return samples
+
+    def _error(self, index, e: Exception) -> DataError:
+        text = str(e).strip()
+        return DataError(self.key, f"sample {index}: {type(e).__name__}: "
+                         f"{text.splitlines()[0] if text else ''}")
 
 
 def _signature(sample: Any) -> Any:
     if isinstance(sample, torch.Tensor):
-        return (tuple(sample.shape), sample.dtype)
+        return (sample.shape, sample.dtype)  # torch.Size: a tuple
     if isinstance(sample, Mapping):
         return {k: _signature(v) for k, v in sample.items()}
     if isinstance(sample, list | tuple):
@@ -108,6 +120,23 @@ def _first_difference(a: Any, b: Any) -> tuple[Any, Any]:
     return a, b
 
 
+def _all_alike(samples: list) -> bool:
+    """True when every sample is a tuple or list of plain tensors with the first sample's
+    shapes and dtypes: the common case, checked without building signatures. False means
+    "look closer" (:func:`_signature`), not "different"."""
+    first = samples[0]
+    if not isinstance(first, tuple | list) or any(type(t) is not torch.Tensor for t in first):
+        return False
+    kinds = [(t.shape, t.dtype) for t in first]
+    for sample in samples:
+        if not isinstance(sample, tuple | list) or len(sample) != len(kinds):
+            return False
+        for t, (shape, dtype) in zip(sample, kinds):
+            if type(t) is not torch.Tensor or t.dtype != dtype or t.shape != shape:
+                return False
+    return True
+
+
 class GuardedCollate:
     """``collate_fn`` that names a sample unlike the first of its batch; with the default
     collate, samples must agree in shape and dtype (a custom one may pad)."""
@@ -117,6 +146,8 @@ class GuardedCollate:
         self.strict = collate_fn is None or collate_fn is default_collate
 
     def _odd_one(self, samples: list, indices: list[int]) -> DataError | None:
+        if _all_alike(samples):
+            return None
         first = _signature(samples[0])
         for index, sample in zip(indices[1:], samples[1:]):
             signature = _signature(sample)
@@ -159,14 +190,20 @@ def naming_bad_labels(batch: Any, metrics: Mapping) -> Iterator[None]:
     first metric that has ``num_classes``; any other failure passes through unchanged."""
     try:
         yield
-    except (IndexError, RuntimeError, ValueError) as e:
-        found = _bad_label(batch, metrics)
+    except LABEL_ERRORS as e:
+        found = bad_label(batch, metrics)
         if found is None:
             raise
         raise found from e
 
 
-def _bad_label(batch: Any, metrics: Mapping) -> DataError | None:
+LABEL_ERRORS = (IndexError, RuntimeError, ValueError)  # what a loss or metric raises on one
+
+
+def bad_label(batch: Any, metrics: Mapping) -> DataError | None:
+    """The error naming a label of ``batch`` outside the classes of the first metric that
+    has ``num_classes``; None when every label is inside (the failure was something else).
+    The training loop calls it in its own ``except``: no context manager per micro-batch."""
     indices = getattr(batch, "indices", None)
     classes = _label_classes(metrics)
     if not indices or classes is None:

@@ -52,10 +52,10 @@ import torch
 from tqdm import tqdm  # not tqdm.auto: its asyncio variant opens every loader twice
 
 from echelon3.config.errors import blame
-from echelon3.data.batches import split_batch, to_device, weighted_loss
+from echelon3.data.batches import OutputLoss, split_batch, to_device, weighted_loss
 from echelon3.data.loaders import known_length
 from echelon3.data.rng import restore_for_rank
-from echelon3.data.samples import naming_bad_labels
+from echelon3.data.samples import LABEL_ERRORS, bad_label
 from echelon3.distributed import preemption
 from echelon3.distributed.ranks import get_rank, get_world_size, unwrap
 from echelon3.distributed.runtime import interrupted
@@ -107,6 +107,7 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
         self.float_labels, self.log_every = float_labels, max(1, int(log_every_n_steps))
         self.extra_state = dict(extra_state or {})
         self.closure = is_closure_optimizer(optimizer)
+        self.from_output = isinstance(losses, OutputLoss)  # the network computes the loss
         self.nonfinite = NonFiniteGuard(nan_policy, self.closure)
         self.stepping = Stepping(grad_accum_steps, self.nonfinite, precision, self._params,
                                  self.closure)
@@ -158,7 +159,8 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
         with self.profiler.label("compute"):
             with self.precision.autocast():
                 try:  # a loss's error is marked with its own key first
-                    out = call_net(self.net, unwrap(self.net), self.losses, inputs, target)
+                    out = call_net(self.net, unwrap(self.net) if self.from_output else None,
+                                   self.losses, inputs, target)
                     total, parts = weighted_loss(self.losses, out, target, self.float_labels)
                 except Exception as e:
                     blame(e, "net", "training")
@@ -192,7 +194,8 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
             decision = self.stepping.decide(parts, last)
             if decision == STEP:
                 with self.profiler.label("optimizer"):
-                    self.clipping.clip(self.optimizer, self._params())
+                    if self.clipping.on:
+                        self.clipping.clip(self.optimizer, self._params())
                     self.precision.step(self.optimizer)
                     self.optimizer.zero_grad(set_to_none=True)
         if decision != WAIT:
@@ -242,11 +245,16 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
                 with clock.aside():
                     self.throughput.counted(self._step_flops(batch), self.stepping.steps)
             started = clock.step_started()
-            with naming_bad_labels(batch, self.metrics):
+            try:  # a label outside a metric's classes is named (naming_bad_labels, inlined)
                 if i % self.log_every == sample_at:
                     decision = clock.sample_device(lambda: self.micro_batch(batch, scale, last))
                 else:
                     decision = self.micro_batch(batch, scale, last)
+            except LABEL_ERRORS as e:
+                named = bad_label(batch, self.metrics)
+                if named is None:
+                    raise
+                raise named from e
             clock.step_ended(started)
             self.throughput.add(batch)
             self.position.step = i
@@ -310,7 +318,7 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
 
     def _stop_requested(self) -> bool:
         """Step 7: one process stops on its own signal; ranks on the log point's flag."""
-        return self._stop or (get_world_size() == 1 and preemption.requested() is not None)
+        return self._stop or (preemption.requested() is not None and get_world_size() == 1)
 
     def fit(self) -> dict[str, float] | None:
         if self._resume_rng is not None:

@@ -60,3 +60,22 @@ def test_a_bad_sample_on_rank_1_in_a_loader_worker(tmp_path, ledger):
     assert "Traceback" not in result.stderr, result.stderr
     assert f"echelon3: error: data.test: {DECODE}" in result.stderr.splitlines()
     ledger(PROMISE, trials=1, faults=1)
+
+
+@pytest.mark.parametrize("odd", ["dtype", "shape", "length", "kind"])
+def test_the_fast_check_of_alike_samples_names_the_same_odd_one_as_the_full_check(odd):
+    import torch
+
+    from echelon3.data import samples as s
+
+    batch = [(torch.zeros(3), torch.tensor(i)) for i in range(6)]
+    batch[4] = {"dtype": (torch.zeros(3, dtype=torch.float64), torch.tensor(4)),
+                "shape": (torch.zeros(4), torch.tensor(4)),
+                "length": (torch.zeros(3), torch.tensor(4), torch.tensor(0)),
+                "kind": [torch.zeros(3), 4]}[odd]
+    collate = s.GuardedCollate(None, "data.train")
+    assert s._all_alike(batch[:4]) and not s._all_alike(batch)
+    assert collate._odd_one(batch[:4], list(range(4))) is None
+    error = collate._odd_one(batch, list(range(6)))
+    full = s._signature(batch[4]), s._signature(batch[0])  # the check without the fast path
+    assert full[0] != full[1] and str(error).startswith("data.train: sample 4: "), error
