@@ -142,3 +142,33 @@ def test_profiled_all_reduce_is_labelled_and_keeps_the_hook(group):
 def test_bad_lever_names_its_key(key, value):
     with pytest.raises(ConfigError, match=f"trainer.config.{key}"):
         check_settings(settings(**{key: value}))
+
+
+class Skipping(torch.nn.Module):
+    """A branch that one step never takes: its parameters get no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.skipped = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+@pytest.mark.parametrize("net, unused, hinted", [
+    (torch.nn.Linear(4, 3), True, True),   # the search found nothing: say the key
+    (Skipping(), True, False),             # it found the skipped branch: it was needed
+    (torch.nn.Linear(4, 3), False, False),  # no search, nothing to say
+])
+def test_the_unused_parameter_search_is_named_only_when_it_found_nothing(
+        group, caplog, net, unused, hinted):
+    from echelon3.distributed.ddp import hint_unused_search
+
+    model = wrap(net, torch.device("cpu"), 2, settings(ddp_find_unused_parameters=unused))
+    backward(model)
+    assert hint_unused_search(model) is not unused  # DDP's figures: from the next forward
+    backward(model)
+    with caplog.at_level("WARNING", logger="echelon3.distributed.ddp"):
+        assert hint_unused_search(model)
+    said = [r.getMessage() for r in caplog.records if "ddp_find_unused_parameters" in r.getMessage()]
+    assert len(said) == int(hinted), said

@@ -19,6 +19,7 @@ When a profiler window is configured, the all-reduce is wrapped in a
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
@@ -27,6 +28,7 @@ from echelon3.config.errors import ConfigError
 DDP_KEYS = {"ddp_find_unused_parameters": True, "ddp_comm": "none",
             "ddp_gradient_as_bucket_view": True, "ddp_static_graph": False}
 COMM = ("none", "bf16", "fp16")
+log = logging.getLogger(__name__)
 
 
 def check_settings(settings: dict) -> None:
@@ -79,3 +81,27 @@ def wrap(net, device, world_size: int, settings: dict, label_allreduce: bool = F
                                   f"supported here: {str(e).splitlines()[0]}; use fp16 or "
                                   "none") from e
     return model
+
+
+def hint_unused_search(model) -> bool:
+    """Say when DDP's unused-parameter search (the default) found nothing: it then costs a
+    traversal of the autograd graph every step for no use (about a quarter of the ranks'
+    CPU on a small network: benchmarks/parity.py). True once that is decided: DDP's
+    figures are there from the forward after its first backward."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from echelon3.distributed.ranks import is_main
+
+    if not isinstance(model, DistributedDataParallel) or not model.find_unused_parameters:
+        return True
+    try:
+        unused = model._get_ddp_logging_data().get("unused_parameter_size")
+    except (AttributeError, RuntimeError):  # a private API: say nothing rather than guess
+        return True
+    if unused is None:
+        return False
+    if unused == 0 and is_main():
+        log.warning("DDP found no unused parameter: trainer.config."
+                    "ddp_find_unused_parameters: false saves its search of the autograd "
+                    "graph every step (keep true if a branch can skip parameters)")
+    return True

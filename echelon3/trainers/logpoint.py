@@ -17,6 +17,7 @@ from typing import Mapping
 import torch
 import torch.distributed as tdist
 
+from echelon3.distributed.ddp import hint_unused_search
 from echelon3.distributed.ranks import get_world_size
 
 
@@ -65,6 +66,8 @@ class LogPoints:
     losses, the non-finite guard, clipping, the throughput, the logger and the step
     checkpoints' clock)."""
 
+    _ddp_hinted = False  # the unused-parameter search's hint is said once (distributed/ddp.py)
+
     def clock_aside(self) -> float:
         """Seconds spent in validation and checkpoints so far (out of the throughput)."""
         clock = getattr(self, "_clock", None)
@@ -75,6 +78,8 @@ class LogPoints:
         from echelon3.distributed import preemption
 
         means = self.running.take()
+        if means is not None and not self._ddp_hinted:  # until DDP's figures are in
+            self._ddp_hinted = hint_unused_search(self.net)
         values = {"bad": self.nonfinite.interval_flag(self.device)}
         if get_world_size() > 1:
             values["stop"] = torch.tensor(float(preemption.requested() is not None),
