@@ -198,6 +198,9 @@ def test_an_unusable_metric_is_rejected_when_the_run_is_built(tmp_path, capsys, 
     (tmp_path / "my_metrics.py").write_text(CUSTOM_METRICS)
     write_config(tmp_path, {"metrics": [{"accuracy": TORCHMETRICS_ACCURACY},
                                         {"broken": spec}]})
+    if command == "evaluate":  # past the launcher's "no checkpoint to load" (tasks/early.py)
+        target(tmp_path).mkdir(parents=True)
+        (target(tmp_path) / "best.tar").write_bytes(b"")
     assert echelon3(command, tmp_path) == 2
     err = capsys.readouterr().err
     assert "metrics.broken" in err
