@@ -59,7 +59,7 @@ def shipped_with(change) -> dict:
     # an experiment naming a config file that does not exist
     (shipped_with(lambda c: c["experiments"]["digits_mlp"].update(config="my_mpl")),
      FILE + "experiments.digits_mlp.config: no file config/experiments/my_mpl.yaml; "
-            "configs in config/experiments: digits_cnn, "),
+            "configs in config/experiments: char_gpt, digits_cnn, "),
     # a sweep key that its config does not have
     ({"sweeps": {"s": {"config": "digits_mlp", "grid": {"optimizer.config.lrr": [0.1]}}}},
      FILE + "sweeps.s.grid.optimizer.config.lrr: digits_mlp has no key "
