@@ -8,8 +8,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from echelon3.config.errors import ConfigError
-from echelon3.observe import tracker_key
+from omegaconf import DictConfig, OmegaConf
+
+from echelon3.config.errors import ConfigError, did_you_mean
 from echelon3.observe.mlflow_run import EXPERIMENT_ENV, SWEEP_ENV
 
 KEYS = ("tracking_uri", "experiment", "run_name", "log_models")
@@ -25,7 +26,25 @@ class Settings:
 
 def _given(node) -> dict | None:
     """The ``mlflow`` key as a dict, or None when tracking is off."""
-    return tracker_key.given(node, "mlflow", KEYS, flags=("log_models",))
+    if node is None or node is False:
+        return None
+    if node is True:
+        return {}
+    if not isinstance(node, DictConfig | dict):
+        raise ConfigError("mlflow", f"must be true, false or a mapping with keys "
+                          f"{', '.join(KEYS)}; got {node!r}")
+    given = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) \
+        else dict(node)
+    for key, value in given.items():
+        if key not in KEYS:
+            raise ConfigError(f"mlflow.{key}", f"unknown key{did_you_mean(str(key), KEYS)}; "
+                              f"known: {', '.join(KEYS)}")
+        if key == "log_models" and not isinstance(value, bool):
+            raise ConfigError("mlflow.log_models", f"takes true or false, got {value!r}")
+        if key != "log_models" and value is not None and (not isinstance(value, str)
+                                                           or not value.strip()):
+            raise ConfigError(f"mlflow.{key}", f"must be a non-empty string, got {value!r}")
+    return given
 
 
 def check(cfg) -> None:

@@ -8,8 +8,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from echelon3.config.errors import ConfigError
-from echelon3.observe import tracker_key
+from omegaconf import DictConfig, OmegaConf
+
+from echelon3.config.errors import ConfigError, did_you_mean
 from echelon3.observe.mlflow_run import EXPERIMENT_ENV, SWEEP_ENV
 
 KEYS = ("project", "entity", "mode", "run_name", "group", "dir")
@@ -28,8 +29,22 @@ class Settings:
 
 def _given(node) -> dict | None:
     """The ``wandb`` key as a dict, or None when tracking is off."""
-    given = tracker_key.given(node, "wandb", KEYS)
-    if given is not None and given.get("mode") is not None and given["mode"] not in MODES:
+    if node is None or node is False:
+        return None
+    if node is True:
+        return {}
+    if not isinstance(node, DictConfig | dict):
+        raise ConfigError("wandb", f"must be true, false or a mapping with keys "
+                          f"{', '.join(KEYS)}; got {node!r}")
+    given = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) \
+        else dict(node)
+    for key, value in given.items():
+        if key not in KEYS:
+            raise ConfigError(f"wandb.{key}", f"unknown key{did_you_mean(str(key), KEYS)}; "
+                              f"known: {', '.join(KEYS)}")
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise ConfigError(f"wandb.{key}", f"must be a non-empty string, got {value!r}")
+    if given.get("mode") is not None and given["mode"] not in MODES:
         raise ConfigError("wandb.mode", f"must be online or offline, got {given['mode']!r}")
     return given
 
