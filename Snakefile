@@ -21,6 +21,7 @@ warn_placeholder_slurm_settings()
 
 
 include: "workflow/rules/common.smk"
+include: "workflow/rules/warm.smk"
 include: "workflow/rules/chains.smk"
 include: "workflow/rules/groups.smk"
 include: "workflow/rules/report_inputs.smk"

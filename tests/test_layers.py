@@ -30,6 +30,7 @@ WINGS: list[tuple[str, ...]] = [
     ("tasks",),
     ("api",),
     ("cli",),
+    ("warm",),
 ]
 LEVEL = {wing: level for level, wings in enumerate(WINGS) for wing in wings}
 
