@@ -13,7 +13,7 @@
    through the interpreter's normal way out (threads joined, atexit hooks, streams
    flushed). The server sends the copy's pid, then its exit code;
 4. leaves when the owner process is gone and no command is running, or after
-   :data:`IDLE_S` without one.
+   :data:`IDLE_S` without one, and removes its socket, lock and log.
 """
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ def main() -> int:
     listener.listen(16)
     log(f"serving {path} for process {owner} (imports took {time.monotonic() - started:.1f} s)")
     command = serve(listener, owner, lock)
-    if command is None:
-        path.unlink(missing_ok=True)
-        log("stopped")
+    if command is None:  # a clean stop leaves nothing behind (a failed start keeps its log)
+        for leftover in (path, path.with_suffix(".log"), path.with_suffix(".lock")):
+            leftover.unlink(missing_ok=True)
         return 0
     return run(*command)
 
