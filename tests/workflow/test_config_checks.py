@@ -122,5 +122,6 @@ def test_a_config_error_is_one_line_without_snakemake_frames(tmp_path):
     out = failing(wf, "-n").stdout
     told = [line for line in out.splitlines() if "leaderbord" in line]
     assert told == [FILE + "leaderbord: unknown key (did you mean 'leaderboard'?); known here: "
-                    "config_dir, experiments, sweeps, leaderboard, one_job_per_experiment"], out
+                    "config_dir, experiments, sweeps, leaderboard, one_job_per_experiment, "
+                    "warm_start"], out
     assert 'File "' not in out and "WorkflowError" not in out, out

@@ -5,7 +5,9 @@ Snakemake job of its own: its outputs, log, retries and exit code are unchanged.
 The server lives while this Snakemake does. On a cluster the jobs start from
 scratch (echelon3 also refuses inside a SLURM job and under torchrun)."""
 
+WARM_ENV = "ECHELON3_WARM"  # set here for the jobs, never read from the user
+
 if config["warm_start"] and not workflow.non_local_exec:
-    os.environ["ECHELON3_WARM"] = str(os.getpid())
+    os.environ[WARM_ENV] = str(os.getpid())
 else:
-    os.environ.pop("ECHELON3_WARM", None)
+    os.environ.pop(WARM_ENV, None)
