@@ -144,29 +144,33 @@ def serve(listener: socket.socket, owner: int, lock: int):
 
 
 def receive(conn: socket.socket):
-    """(the command, its three standard streams) from a client, or None."""
+    """(the command, its three standard streams) from a client, or None (streams closed)."""
     conn.settimeout(RECEIVE_TIMEOUT_S)
     try:
         head, fds, _, _ = socket.recv_fds(conn, LENGTH.size, 3)
-        if len(head) != LENGTH.size or len(fds) != 3:
-            for fd in fds:
-                os.close(fd)
-            return None
-        (length,) = LENGTH.unpack(head)
-        body = b""
-        while len(body) < length:
-            chunk = conn.recv(length - len(body))
-            if not chunk:
-                break
-            body += chunk
     except OSError:
         return None
-    conn.settimeout(None)
-    if len(body) != length:
-        for fd in fds:
-            os.close(fd)
-        return None
-    return json.loads(body), fds
+    try:
+        if len(head) == LENGTH.size and len(fds) == 3:
+            body = _exactly(conn, LENGTH.unpack(head)[0])
+            if body is not None:
+                conn.settimeout(None)
+                return json.loads(body), fds
+    except (OSError, ValueError):
+        pass
+    for fd in fds:
+        os.close(fd)
+    return None
+
+
+def _exactly(conn: socket.socket, length: int) -> bytes | None:
+    body = b""
+    while len(body) < length:
+        chunk = conn.recv(length - len(body))
+        if not chunk:
+            return None
+        body += chunk
+    return body
 
 
 def send(conn: socket.socket, message: dict) -> None:
@@ -181,8 +185,8 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, someone else's
+        pass
     return True
 
 
