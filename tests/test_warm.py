@@ -140,11 +140,12 @@ def test_the_server_is_keyed_by_the_source_and_the_import_time_environment(monke
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     first = client.socket_path(1)
     assert client.socket_path(1) == first and client.socket_path(2) != first
-    monkeypatch.setenv("OMP_NUM_THREADS", "7")
-    assert client.socket_path(1) != first
-    monkeypatch.delenv("OMP_NUM_THREADS")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # read when CUDA starts, in the copy
-    assert client.socket_path(1) == first
+    with monkeypatch.context() as changed:
+        changed.setenv("OMP_NUM_THREADS", str(int(os.environ.get("OMP_NUM_THREADS", "0")) + 7))
+        assert client.socket_path(1) != first
+    with monkeypatch.context() as changed:
+        changed.setenv("CUDA_VISIBLE_DEVICES", "3")  # read when CUDA starts, in the copy
+        assert client.socket_path(1) == first
     source = next(client.PACKAGE.rglob("*.py"))
     info = source.stat()
     newest = max(path.stat().st_mtime_ns for path in client.PACKAGE.rglob("*.py"))
