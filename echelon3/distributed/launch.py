@@ -12,18 +12,20 @@ The rank helpers live in :mod:`echelon3.distributed.ranks`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import signal
 import socket
 import subprocess
+import sys
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
-from echelon3.distributed import preemption
+from echelon3.distributed import forkserver, preemption
 from echelon3.distributed.ranks import _initialized, all_gather_object, get_rank
 
 TIMEOUT_ENV = "ECHELON3_DDP_TIMEOUT_MIN"
@@ -192,6 +194,13 @@ def _describe_failures(err, relayed=None, said: dict[int, str] | None = None) ->
     said = said or {}
     lines, codes = [], set()
     failures = sorted(err.failures.items())
+    # elastic names the first worker it saw exit; the rank whose failure made that one
+    # stop may exit after it, but has left its line
+    others = [line for rank, line in sorted(said.items()) if rank not in err.failures]
+    if others:
+        failures = [(r, f) for r, f in failures
+                    if r in said or f.exitcode not in (1, PEER_LOST_EXIT)]
+        lines, codes = list(dict.fromkeys(others)), {1}
     if any(f.exitcode != PEER_LOST_EXIT for _, f in failures):
         failures = [(r, f) for r, f in failures if f.exitcode != PEER_LOST_EXIT]
     for rank, failure in failures:
@@ -239,55 +248,74 @@ SHUTDOWN_S = 20  # a signalled worker stops at its next step; SLURM's KillWait i
 
 
 def _workers() -> list[int]:
-    """Pids of the workers this launcher spawned (not multiprocessing's resource tracker)."""
+    """Pids of the workers this launcher started: spawned children, or the children of
+    its forkserver (not multiprocessing's resource tracker, nor a worker's own loaders)."""
     import psutil
 
     found = []
     for child in psutil.Process().children():
         try:
-            if any("spawn_main" in part for part in child.cmdline()):
+            if child.pid == forkserver.server_pid():
+                found.extend(worker.pid for worker in child.children())
+            elif any("spawn_main" in part for part in child.cmdline()):
                 found.append(child.pid)
         except psutil.Error:
             continue
     return found
 
 
+def relayed_signals() -> list[signal.Signals]:
+    return [signal.Signals[name] for name in preemption.launcher_signals().split(",")]
+
+
+def _start_server(modules: list[str]) -> str:
+    """The start method for this launch; a forkserver is started with the relayed signals
+    blocked, and keeps them blocked for good (see :mod:`echelon3.distributed.forkserver`)."""
+    # Started by a later call, multiprocessing's resource tracker would unblock SIGINT and
+    # SIGTERM on its way; started now, it leaves the relay's mask alone.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, relayed_signals())
+    try:
+        return forkserver.start_method(modules)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a signal meanwhile lands now
+
+
+@contextlib.contextmanager
+def launching(modules: list[str]) -> Iterator[None]:
+    """Around a launcher's pre-flight and :func:`spawn`: the folder the workers report to
+    is made, and the server they are forked from starts importing ``modules`` at once,
+    beside the pre-flight (a launch that ends before spawning leaves it unused)."""
+    from echelon3.distributed import reports
+
+    with reports.shared_folder():
+        _start_server(modules)
+        yield
+
+
 def spawn(entrypoint: Callable, args: tuple, nproc: int) -> None:
-    """Run ``entrypoint(*args)`` in ``nproc`` local workers via elastic_launch (no restarts).
+    """Run ``entrypoint(*args)`` in ``nproc`` local workers via elastic_launch (no restarts),
+    forked from a server with this process's echelon3 modules imported
+    (:mod:`echelon3.distributed.forkserver`), inside :func:`launching`.
 
     Signals (Ctrl-C, SIGTERM, the preemption warning) never raise in this process:
     they go on to the workers, which stop at a safe point and exit 130 or 75, and
     their exit codes say what happened. Workers still running ``SHUTDOWN_S`` after
     the signal are killed."""
     import torch.distributed.elastic.multiprocessing.errors as elastic_errors
-    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     from echelon3.distributed import interrupt, reports
 
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-        monitor_interval=0.2, start_method="spawn", logs_specs=DefaultLogsSpecs(),
-        shutdown_timeout=SHUTDOWN_S,
-        # the agent's own handlers raise wherever its main thread is; the relay below
-        # does their work instead (an empty list: torch registers none)
-        signals_to_handle="")
-    # Workers print their own traceback or one-line error; the agent's notes and its
-    # copy of the same traceback would only bury it.
-    for name, logger in list(logging.root.manager.loggerDict.items()):
-        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")) and \
-                isinstance(logger, logging.Logger):
-            logger.setLevel(logging.CRITICAL)
-    signals = [signal.Signals[name] for name in preemption.launcher_signals().split(",")]
-    # Started by the first spawn, multiprocessing's resource tracker unblocks SIGINT and
-    # SIGTERM on its way; started now, it leaves the relay's mask alone.
-    from multiprocessing import resource_tracker
-
-    resource_tracker.ensure_running()
-    with reports.shared_folder(), interrupt.relay(signals, _workers, SHUTDOWN_S) as relayed:
+    method = _start_server([entrypoint.__module__, *sys.modules])  # the one started, if the same
+    with interrupt.relay(relayed_signals(), _workers, SHUTDOWN_S) as relayed:
         try:
-            elastic_launch(config, entrypoint)(*args)
+            if method == "forkserver":
+                entrypoint, args = forkserver.forked, (
+                    entrypoint, forkserver.environment_since(), *args)
+            elastic_launch(_launch_config(nproc, method), entrypoint)(*args)
         except elastic_errors.ChildFailedError as e:
             failed = e
         else:
@@ -295,3 +323,23 @@ def spawn(entrypoint: Callable, args: tuple, nproc: int) -> None:
         said = reports.lines()
     message, code = _describe_failures(failed, relayed, said)
     raise WorkerFailed(message, code) from None
+
+
+def _launch_config(nproc: int, method: str):
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+
+    # Workers print their own traceback or one-line error; the agent's notes and its
+    # copy of the same traceback would only bury it.
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")) and \
+                isinstance(logger, logging.Logger):
+            logger.setLevel(logging.CRITICAL)
+    return LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+        monitor_interval=0.2, start_method=method, logs_specs=DefaultLogsSpecs(),
+        shutdown_timeout=SHUTDOWN_S,
+        # the agent's own handlers raise wherever its main thread is; the relay above
+        # does their work instead (an empty list: torch registers none)
+        signals_to_handle="")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -149,10 +148,6 @@ Task = Callable[[RunConfig, object, dist.Launcher], None]
 interrupted = interrupt.interrupted  # the training loop checks it before every step
 
 
-def _relayed_signals() -> list[signal.Signals]:
-    return [signal.Signals[name] for name in preemption.launcher_signals().split(",")]
-
-
 def _loader_worker_died(e: BaseException) -> bool:
     """A loader worker killed mid-run surfaces as torch's RuntimeError, or, when it dies
     while sending a batch, as a broken connection inside the loader's queue."""
@@ -169,7 +164,7 @@ def _loader_worker_died(e: BaseException) -> bool:
 def run_worker(task: Task, rc: RunConfig, plan: Plan) -> None:
     """Set up this process as one rank (or the only one), run ``task``, tear down."""
     configure_logging()
-    interrupt.install(unblock=_relayed_signals())
+    interrupt.install(unblock=dist.relayed_signals())
     launcher = dist.detect_launcher()
     _silence_non_main(launcher.rank)
     device = worker_device(plan, launcher)
@@ -252,15 +247,31 @@ def launch(task: Task, rc: RunConfig, validate: Callable[[Plan], bool | None] | 
     configure_logging()
     plan = plan_devices(rc.cfg)
     derive(rc.cfg, plan.world_size)  # ${calc:...} over world_size and the config, once here
-    if validate is not None and validate(plan):
-        return
     if plan.spawn <= 1:
-        run_worker(task, rc, plan)
+        if validate is None or not validate(plan):
+            run_worker(task, rc, plan)
         return
     # As torchrun does: keep N workers from each starting a thread per core.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.spawn)))
-    log.info("starting %d workers (%s)", plan.spawn,
-             f"GPUs {plan.gpus}" if plan.gpus else "CPU, gloo")
-    cfg = OmegaConf.to_container(rc.cfg, resolve=True)
-    dist.spawn(spawned_worker, (task, cfg, str(rc.config_dir), str(rc.config_file), plan),
-               plan.spawn)
+    with dist.launching([task.__module__, *sys.modules, *_named_modules(rc.cfg)]):
+        if validate is not None and validate(plan):
+            return
+        log.info("starting %d workers (%s)", plan.spawn,
+                 f"GPUs {plan.gpus}" if plan.gpus else "CPU, gloo")
+        cfg = OmegaConf.to_container(rc.cfg, resolve=True)
+        dist.spawn(spawned_worker, (task, cfg, str(rc.config_dir), str(rc.config_file), plan),
+                   plan.spawn)
+
+
+def _named_modules(cfg) -> list[str]:
+    """The ``module`` of every component the config names (the server imports echelon3's)."""
+    found, stack = [], [OmegaConf.to_container(cfg, resolve=False)]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("module"), str):
+                found.append(node["module"])
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return found

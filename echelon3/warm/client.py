@@ -32,11 +32,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from echelon3.distributed.forkserver import IMPORT_TIME_ENV
+
 ENV = "ECHELON3_WARM"
 # A rank of someone else's launcher, or a SLURM job: never handed over.
 LAUNCHED_BY = ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID")
-# Read while torch and the libraries it loads are imported: the server is keyed by them.
-IMPORT_TIME_ENV = ("PYTHON", "TORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "LD_")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)
 PACKAGE = Path(__file__).resolve().parents[1]

@@ -1,0 +1,132 @@
+"""Workers forked from a process that has torch and echelon3 imported, not spawned afresh.
+
+A spawned worker starts a new interpreter: it imports torch and the task's modules again
+(seconds, on the same cores as its siblings) and finalises that interpreter on its way out.
+multiprocessing's forkserver pays the imports once, in one single-threaded process, and
+each worker is a fork of it that leaves with ``os._exit``. The launcher starts it inside
+its signal relay (:func:`echelon3.distributed.interrupt.relay`), so the server keeps the
+relayed signals blocked for good: a SIGTERM or Ctrl-C sent to the whole process group
+stops the workers, never the server their exit codes come back through.
+
+A worker must start as a spawned one would: with the launcher's environment, working
+directory, ``sys.path``, umask and standard streams as they are at the launch. The server
+keeps what it started with, so it serves a launch whose imports would read the same
+environment and that has the same directory, path, umask and streams; the rest of the
+environment (what the pre-flight set since) each worker takes on first (:func:`forked`).
+For any other launch the server is replaced; where it cannot be (a server this module did
+not start, or a Python without the hook) workers are spawned.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing
+import os
+import signal
+import sys
+from multiprocessing import forkserver
+from typing import Callable
+
+# What every worker imports first; the launcher adds the echelon3 modules its task uses.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.elastic.multiprocessing",
+           "torchmetrics")
+# What a worker's imports read from the environment (the rest it is given at its start).
+IMPORT_TIME_ENV = ("PYTHON", "TORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "LD_", "OPENBLAS_",
+                   "CUDA_", "NCCL_")
+_started: tuple[list, dict] | None = None  # the running server's key and environment
+
+
+def _umask() -> str | None:
+    try:
+        with open("/proc/self/status") as status:
+            return next((line.split()[1] for line in status if line.startswith("Umask:")),
+                        None)
+    except OSError:
+        return None
+
+
+def _streams() -> list:
+    found = []
+    for fd in (0, 1, 2):
+        try:
+            info = os.fstat(fd)
+        except OSError:
+            found.append(None)
+        else:
+            found.append([info.st_dev, info.st_ino])
+    return found
+
+
+def launch_key() -> list:
+    """What a forked worker inherits from the server that it cannot be given later: what
+    the imports read from the environment, sys.path, the interpreter, cwd, umask, stdio."""
+    imported_with = sorted((k, v) for k, v in os.environ.items()
+                           if k.startswith(IMPORT_TIME_ENV))
+    return [imported_with, list(sys.path), sys.executable, os.getcwd(), _umask(), _streams()]
+
+
+def environment_since() -> tuple[dict[str, str], list[str]]:
+    """The launcher's environment as it differs from the server's: (set, removed)."""
+    base = _started[1] if _started else dict(os.environ)
+    now = dict(os.environ)
+    return ({k: v for k, v in now.items() if base.get(k) != v}, [k for k in base if k not in now])
+
+
+def forked(entrypoint: Callable, since: tuple[dict[str, str], list[str]], *args) -> None:
+    """A forked worker's entry point: the launcher's environment as at the launch, then
+    ``entrypoint(*args)``."""
+    changed, removed = since
+    for name in removed:
+        os.environ.pop(name, None)
+    os.environ.update(changed)
+    entrypoint(*args)
+
+
+def preload_for(modules: list[str]) -> list[str]:
+    """The modules to import in the server: torch's and echelon3's (the caller's) own,
+    never the user's (an import with side effects stays in the worker, as spawned)."""
+    ours = [name for name in modules if name.startswith("echelon3.")
+            and not name.startswith(("echelon3.warm", "echelon3.__main__"))]
+    return sorted(set(PRELOAD) | set(ours))
+
+
+def start_method(modules: list[str]) -> str:
+    """``"forkserver"`` with a server ready for this launch (started now, importing
+    ``modules``, unless one that matches runs), or ``"spawn"``."""
+    global _started
+    server = forkserver._forkserver
+    key = launch_key()
+    running = server._forkserver_pid is not None
+    if running and _started is None:
+        return "spawn"  # someone else's server
+    if running and _started[0] != key:
+        if not hasattr(server, "_stop"):
+            return "spawn"
+        server._stop()
+    if _started is None:
+        atexit.register(_end)
+    if server._forkserver_pid is None or _started[0] != key:
+        multiprocessing.set_forkserver_preload(preload_for(modules))
+        server.ensure_running()
+        _started = (key, dict(os.environ))
+    else:
+        pid = server._forkserver_pid
+        server.ensure_running()  # restarts one that died
+        if server._forkserver_pid != pid:
+            _started = (key, dict(os.environ))
+    return "forkserver"
+
+
+def server_pid() -> int | None:
+    return forkserver._forkserver._forkserver_pid
+
+
+def _end() -> None:
+    """At exit: the server's workers are done; it need not finish its imports (a launch
+    that refused before spawning) nor finalise torch while holding the caller's stdout."""
+    pid = server_pid()
+    if pid is not None:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
