@@ -336,7 +336,7 @@ def test_rank_killed_by_sigkill_gets_the_oom_hint(probe):
     start = time.monotonic()
     result = launch("builtin", config_dir, timeout=120)
     assert result.returncode == 1
-    assert "OOM-killer" in result.stderr and "num_workers" in result.stderr
+    assert "OOM-killer" in result.stderr and "num_workers" in result.stderr, result.stderr
     assert time.monotonic() - start < 60
 
 

@@ -21,20 +21,24 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import multiprocessing
 import os
 import signal
 import sys
-from multiprocessing import forkserver
 from typing import Callable
 
 # What every worker imports first; the launcher adds the echelon3 modules its task uses.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.elastic.multiprocessing",
            "torchmetrics")
 # What a worker's imports read from the environment (the rest it is given at its start).
-IMPORT_TIME_ENV = ("PYTHON", "TORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "LD_", "OPENBLAS_",
-                   "CUDA_", "NCCL_")
+# (CUDA_* and NCCL_* are read when CUDA or the process group starts, in the worker.)
+IMPORT_TIME_ENV = ("PYTHON", "TORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "LD_", "OPENBLAS_")
 _started: tuple[list, dict] | None = None  # the running server's key and environment
+
+
+def _server():
+    from multiprocessing import forkserver  # here: the warm client reads this module too
+
+    return forkserver._forkserver
 
 
 def _umask() -> str | None:
@@ -94,8 +98,10 @@ def preload_for(modules: list[str]) -> list[str]:
 def start_method(modules: list[str]) -> str:
     """``"forkserver"`` with a server ready for this launch (started now, importing
     ``modules``, unless one that matches runs), or ``"spawn"``."""
+    import multiprocessing
+
     global _started
-    server = forkserver._forkserver
+    server = _server()
     key = launch_key()
     running = server._forkserver_pid is not None
     if running and _started is None:
@@ -119,7 +125,7 @@ def start_method(modules: list[str]) -> str:
 
 
 def server_pid() -> int | None:
-    return forkserver._forkserver._forkserver_pid
+    return _server()._forkserver_pid
 
 
 def _end() -> None:

@@ -182,33 +182,37 @@ def peer_lost(e: BaseException) -> bool:
         s in text for s in ("Connection closed by peer", "Connection reset by peer"))
 
 
-def _describe_failures(err, relayed=None, said: dict[int, str] | None = None) -> tuple[str, int]:
+def _describe_failures(err, relayed=None, said: dict[int, tuple[int, str]] | None = None,
+                       nproc: int = 0) -> tuple[str, int]:
     """Turn elastic's ChildFailedError into one readable message and an exit code.
 
-    Workers print their own traceback before exiting and leave the line that says why
-    in ``said`` (:mod:`echelon3.distributed.reports`: a user error, or the config key whose
+    Workers print their own traceback before exiting and leave their exit code and the
+    line that says why in ``said`` (:mod:`echelon3.distributed.reports`: a user error, or the config key whose
     component raised); each different line is said once, and the summary names who else
     failed and how. ``relayed`` (an :class:`echelon3.distributed.interrupt.Relay`) tells
-    which signal the launcher passed on.
+    which signal the launcher passed on; ``nproc`` names the ranks that left no line.
     """
     said = said or {}
     lines, codes = [], set()
     failures = sorted(err.failures.items())
     # elastic names the first worker it saw exit; the rank whose failure made that one
     # stop may exit after it, but has left its line
-    others = [line for rank, line in sorted(said.items()) if rank not in err.failures]
+    others = [said[rank] for rank in sorted(said) if rank not in err.failures]
     if others:
         failures = [(r, f) for r, f in failures
                     if r in said or f.exitcode not in (1, PEER_LOST_EXIT)]
-        lines, codes = list(dict.fromkeys(others)), {1}
+        lines = list(dict.fromkeys(line for _, line in others))
+        codes = {code for code, _ in others}
     if any(f.exitcode != PEER_LOST_EXIT for _, f in failures):
         failures = [(r, f) for r, f in failures if f.exitcode != PEER_LOST_EXIT]
     for rank, failure in failures:
         code = failure.exitcode
         if code == PEER_LOST_EXIT:
             codes.add(1)
-            lines.append(f"rank {rank} (pid {failure.pid}) lost its peers; the rank that "
-                         "failed first left no message (killed?)")
+            silent = [r for r in range(nproc) if r not in said and r not in err.failures]
+            first = f"rank {', '.join(map(str, silent))}" if silent else "the rank that failed"
+            lines.append(f"rank {rank} (pid {failure.pid}) lost its peers; {first} stopped "
+                         f"first and left no message: if it was {OOM_HINT}")
             continue
         if relayed is not None and relayed.received is not None and \
                 code == -relayed.received and not relayed.killed:
@@ -224,8 +228,8 @@ def _describe_failures(err, relayed=None, said: dict[int, str] | None = None) ->
             continue
         codes.add(2 if code == 2 else 1)
         if code in (1, 2) and rank in said:
-            if said[rank] not in lines:
-                lines.append(said[rank])
+            if said[rank][1] not in lines:
+                lines.append(said[rank][1])
         elif code == -signal.SIGKILL and relayed is not None and relayed.killed:
             lines.append(f"rank {rank} (pid {failure.pid}) did not stop within "
                          f"{relayed.grace_s:.0f} s of {relayed.received.name}; killed")
@@ -321,7 +325,7 @@ def spawn(entrypoint: Callable, args: tuple, nproc: int) -> None:
         else:
             return
         said = reports.lines()
-    message, code = _describe_failures(failed, relayed, said)
+    message, code = _describe_failures(failed, relayed, said, nproc)
     raise WorkerFailed(message, code) from None
 
 

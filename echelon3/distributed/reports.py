@@ -48,29 +48,31 @@ def first_to_print(signature: str) -> bool:
         return True  # the folder is gone: better twice than never
 
 
-def report(rank: str, line: str) -> bool:
-    """Leave ``line`` for the launcher to say; False when there is no launcher to say it."""
+def report(rank: str, line: str, code: int) -> bool:
+    """Leave ``line`` (and the exit ``code`` it comes with) for the launcher to say; False
+    when there is no launcher to say it."""
     folder = _folder()
     if folder is None:
         return False
     try:
         tmp = folder / f".line-{rank}.tmp"
-        tmp.write_text(line)
+        tmp.write_text(f"{code} {line}")
         tmp.replace(folder / f"line-{rank}")
         return True
     except OSError:
         return False
 
 
-def lines() -> dict[int, str]:
-    """{rank: line} the workers left (in the launcher)."""
+def lines() -> dict[int, tuple[int, str]]:
+    """{rank: (exit code, line)} the workers left (in the launcher)."""
     folder = _folder()
     if folder is None or not folder.is_dir():
         return {}
     found = {}
     for path in folder.glob("line-*"):
         with contextlib.suppress(ValueError, OSError):
-            found[int(path.name.removeprefix("line-"))] = path.read_text()
+            code, line = path.read_text().split(" ", 1)
+            found[int(path.name.removeprefix("line-"))] = (int(code), line)
     return found
 
 

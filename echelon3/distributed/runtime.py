@@ -181,8 +181,10 @@ def run_worker(task: Task, rc: RunConfig, plan: Plan) -> None:
                                     1) from e
         lost = dist.lost_peer(e)
         if lost:
+            # under echelon3's launcher the lost rank is a local one, which it names
             raise dist.WorkerFailed(f"lost {lost}: its process or node is gone; stopping "
-                                    f"now, resume from the last checkpoint ({detail})", 1) from e
+                                    f"now, resume from the last checkpoint ({detail})",
+                                    dist.PEER_LOST_EXIT if reports.shared() else 1) from e
         raise
     finally:
         dist.teardown_process_group()
@@ -219,7 +221,7 @@ def _reported(e: Exception, rank: str) -> int:
     then the line naming the config key whose component raised it. Under echelon3's own
     launcher the lines go to the launcher, which says each once, last."""
     if isinstance(e, UserError):
-        if not reports.report(rank, f"error: {e}"):
+        if not reports.report(rank, f"error: {e}", 2):
             print(f"echelon3: error: {e}", file=sys.stderr, flush=True)
         return 2
     if isinstance(e, dist.WorkerFailed):
@@ -235,7 +237,7 @@ def _reported(e: Exception, rank: str) -> int:
     if reports.first_to_print(" ".join(same)):
         print(f"[rank {rank}] " + "".join(traceback.format_exception(e)).rstrip(),
               file=sys.stderr, flush=True)
-    if named is not None and not reports.report(rank, f"error: {named}"):
+    if named is not None and not reports.report(rank, f"error: {named}", 1):
         print(f"echelon3: error: {named}", file=sys.stderr, flush=True)
     return 1
 
