@@ -22,9 +22,14 @@ def _report(queue, names):
 def server(monkeypatch):
     monkeypatch.setattr(forkserver, "PRELOAD", ())  # what it imports is not the point here
     monkeypatch.setenv("ECHELON3_TEST_GONE", "at the server's start")
+    server = forkserver._server()
+    if forkserver.server_pid() is not None:  # another test's (tests/reliability/kill.py)
+        server._stop()
+    forkserver._started = None
+    monkeypatch.setattr(server, "_preload_modules", server._preload_modules)
     assert forkserver.start_method([]) == "forkserver"
     yield forkserver.server_pid()
-    forkserver._server()._stop()
+    server._stop()
     forkserver._started = None
 
 
