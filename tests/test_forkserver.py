@@ -23,13 +23,12 @@ def server(monkeypatch):
     monkeypatch.setattr(forkserver, "PRELOAD", ())  # what it imports is not the point here
     monkeypatch.setenv("ECHELON3_TEST_GONE", "at the server's start")
     server = forkserver._server()
-    if forkserver.server_pid() is not None:  # another test's (tests/reliability/kill.py)
-        server._stop()
+    forkserver.stop()  # another test's, if any (tests/reliability/kill.py)
     forkserver._started = None
     monkeypatch.setattr(server, "_preload_modules", server._preload_modules)
     assert forkserver.start_method([]) == "forkserver"
     yield forkserver.server_pid()
-    server._stop()
+    forkserver.stop()
     forkserver._started = None
 
 
@@ -60,6 +59,22 @@ def test_an_import_time_variable_or_another_directory_replaces_the_server(server
     monkeypatch.chdir(tmp_path)
     forkserver.start_method([])
     assert forkserver.server_pid() not in (None, server, replaced)
+
+
+def test_a_forked_child_of_the_launcher_does_not_hold_up_a_new_server(server, monkeypatch):
+    import time
+
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    child.start()  # holds a copy of the server's pipe, so the server never sees it close
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "7")
+        started = time.monotonic()
+        forkserver.start_method([])
+        assert forkserver.server_pid() not in (None, server)
+        assert time.monotonic() - started < 10
+    finally:
+        child.kill()
+        child.join()
 
 
 def test_only_torch_and_echelon3_modules_are_imported_by_the_server():

@@ -109,7 +109,7 @@ def start_method(modules: list[str]) -> str:
     if running and _started[0] != key:
         if not hasattr(server, "_stop"):
             return "spawn"
-        server._stop()
+        stop()
     if _started is None:
         atexit.register(_end)
     if server._forkserver_pid is None or _started[0] != key:
@@ -126,6 +126,21 @@ def start_method(modules: list[str]) -> str:
 
 def server_pid() -> int | None:
     return _server()._forkserver_pid
+
+
+def stop() -> None:
+    """End the running server at once. (multiprocessing's own stop waits for the server
+    to see its pipe close, which a process forked from this one keeps open.)"""
+    server, pid = _server(), server_pid()
+    if pid is None:
+        return
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
+    if hasattr(server, "_stop"):
+        server._stop()  # reaps it and forgets it: the next start is a fresh server
+    else:
+        with contextlib.suppress(OSError):
+            os.waitpid(pid, 0)
 
 
 def _end() -> None:

@@ -11,6 +11,7 @@ them and a leaked ``/dev/shm`` segment can be told from another program's.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import runpy
@@ -66,6 +67,13 @@ def _environ(pid: int) -> bytes:
         return Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return b""
+
+
+def _group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def alive(pid: int) -> bool:
@@ -156,16 +164,20 @@ class Run:
         """SIGKILL every process group of the run at once; returns the run's age."""
         age = time.monotonic() - self.started
         pids = self.processes() | {self.pid}
-        for group in {os.getpgid(p) for p in pids if alive(p)} - {os.getpgid(0)}:
-            try:
-                os.killpg(group, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        # again while any is found: torchrun's agent may have started a worker (in a
+        # process group of its own) between the look and the kill
+        for _ in range(50):
+            live = {p for p in pids if alive(p)}
+            if not live:
+                break
+            for group in {_group(p) for p in live} - {None, os.getpgid(0)}:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(group, signal.SIGKILL)
+            for pid in live:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+            pids = self.processes()
         self.wait(30)
         return age
 
