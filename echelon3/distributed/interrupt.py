@@ -37,9 +37,10 @@ from typing import Callable, Iterable, Iterator
 
 RETRY_S = 0.02
 # Code whose frames an exception cannot leave cleanly: called from C with the error
-# reported as "unraisable", or holding a lock that a raise would leave held.
+# reported as "unraisable", or holding a lock that a raise would leave held (filelock: its
+# fork hooks run around a DataLoader worker's fork, and one cut short breaks the next).
 _UNSAFE_MODULES = ("logging", "weakref", "_weakrefset", "atexit", "multiprocessing.util",
-                   __name__)
+                   "filelock", __name__)
 _UNSAFE_FUNCTIONS = ("__del__", "_after_fork", "_at_fork_reinit", "_releaseLock", "_acquireLock")
 
 _interrupted = False
