@@ -111,7 +111,9 @@ def start_method(modules: list[str]) -> str:
             return "spawn"
         stop()
     if _started is None:
-        atexit.register(_end)
+        # at exit the workers are done; the server need not finish its imports (a launch
+        # that refused before spawning) nor finalise torch while holding our stdout
+        atexit.register(stop)
     if server._forkserver_pid is None or _started[0] != key:
         multiprocessing.set_forkserver_preload(preload_for(modules))
         server.ensure_running()
@@ -137,17 +139,8 @@ def stop() -> None:
     with contextlib.suppress(OSError):
         os.kill(pid, signal.SIGKILL)
     if hasattr(server, "_stop"):
-        server._stop()  # reaps it and forgets it: the next start is a fresh server
+        with contextlib.suppress(OSError):  # its socket's folder may be gone at exit
+            server._stop()  # reaps it and forgets it: the next start is a fresh server
     else:
         with contextlib.suppress(OSError):
-            os.waitpid(pid, 0)
-
-
-def _end() -> None:
-    """At exit: the server's workers are done; it need not finish its imports (a launch
-    that refused before spawning) nor finalise torch while holding the caller's stdout."""
-    pid = server_pid()
-    if pid is not None:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)

@@ -187,9 +187,9 @@ def _describe_failures(err, relayed=None, said: dict[int, tuple[int, str]] | Non
     """Turn elastic's ChildFailedError into one readable message and an exit code.
 
     Workers print their own traceback before exiting and leave their exit code and the
-    line that says why in ``said`` (:mod:`echelon3.distributed.reports`: a user error, or the config key whose
-    component raised); each different line is said once, and the summary names who else
-    failed and how. ``relayed`` (an :class:`echelon3.distributed.interrupt.Relay`) tells
+    line that says why in ``said`` (:mod:`echelon3.distributed.reports`: a user error, or
+    the config key whose component raised); each different line is said once, and the
+    summary names who else failed and how. ``relayed`` (an :class:`echelon3.distributed.interrupt.Relay`) tells
     which signal the launcher passed on; ``nproc`` names the ranks that left no line.
     """
     said = said or {}

@@ -267,13 +267,7 @@ def launch(task: Task, rc: RunConfig, validate: Callable[[Plan], bool | None] | 
 
 def _named_modules(cfg) -> list[str]:
     """The ``module`` of every component the config names (the server imports echelon3's)."""
-    found, stack = [], [OmegaConf.to_container(cfg, resolve=False)]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if isinstance(node.get("module"), str):
-                found.append(node["module"])
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return found
+    from echelon3.config.build import iter_specs
+
+    return [spec["module"] for _, spec in iter_specs(OmegaConf.to_container(cfg), "")
+            if isinstance(spec["module"], str)]
