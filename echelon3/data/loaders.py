@@ -245,6 +245,8 @@ def _sampler_for(dataset: Dataset, spec: Mapping, name: str, *, train: bool, ran
         return dataset, ShardSampler(dataset, world_size, rank), spec
     sampler = TrainSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
                            seed=seed, drop_last=drop_last)
+    if workers == 0:  # samples load in the training process: nothing to seed per sample
+        return dataset, sampler, spec
     sampler.seeded = SeededDataset(dataset, seed)
     return sampler.seeded, sampler, spec
 

@@ -167,7 +167,9 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
                     raise
             # No extra multiply (a kernel and an autograd node) when not accumulating.
             self.precision.backward(total * scale if scale != 1 else total)
-        return {"loss": total.detach(), **{k: v.detach() for k, v in parts.items()}}
+        detached = total.detach()  # one loss of weight 1 is its own total: detached once
+        return {"loss": detached, **{k: detached if v is total else v.detach()
+                                     for k, v in parts.items()}}
 
     def closure_step(self, batch) -> dict[str, torch.Tensor]:
         """A closure optimizer's whole step; the losses of its first evaluation."""

@@ -116,6 +116,10 @@ class Throughput:
     def add(self, batch: Any) -> None:
         """One micro-batch's samples and tokens (shapes only: nothing waits)."""
         inputs, target = split_batch(batch)
+        if type(target) is torch.Tensor and type(inputs) is torch.Tensor and \
+                inputs.is_floating_point() and self.tokens_mode == "auto":
+            self.samples += len(target)  # the common case, float inputs (no tokens): fast
+            return
         self.samples += batch_size(target)
         tokens = batch_tokens(inputs, self.tokens_mode)
         if tokens is not None:

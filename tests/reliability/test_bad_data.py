@@ -64,6 +64,8 @@ def test_a_bad_sample_on_rank_1_in_a_loader_worker(tmp_path, ledger):
 
 @pytest.mark.parametrize("odd", ["dtype", "shape", "length", "kind"])
 def test_the_fast_check_of_alike_samples_names_the_same_odd_one_as_the_full_check(odd):
+    """The fast check passes only batches the default collate takes unchanged; a shape it
+    leaves to the collate's stack, whose refusal is named by the full check."""
     import torch
 
     from echelon3.data import samples as s
@@ -74,8 +76,11 @@ def test_the_fast_check_of_alike_samples_names_the_same_odd_one_as_the_full_chec
                 "length": (torch.zeros(3), torch.tensor(4), torch.tensor(0)),
                 "kind": [torch.zeros(3), 4]}[odd]
     collate = s.GuardedCollate(None, "data.train")
-    assert s._all_alike(batch[:4]) and not s._all_alike(batch)
+    assert s._all_alike(batch[:4]) and s._all_alike(batch) == (odd == "shape")
     assert collate._odd_one(batch[:4], list(range(4))) is None
-    error = collate._odd_one(batch, list(range(6)))
+    error = collate._odd_one(batch, list(range(6)), quick=False)
     full = s._signature(batch[4]), s._signature(batch[0])  # the check without the fast path
     assert full[0] != full[1] and str(error).startswith("data.train: sample 4: "), error
+    with pytest.raises(s.DataError) as raised:  # what the loader does with the batch
+        collate(batch)
+    assert str(raised.value) == str(error)
