@@ -135,9 +135,12 @@ def _all_alike(samples: list) -> bool:
             set(map(len, samples)) != {len(first)}:
         return False
     try:
-        return all(len(set(map(_DTYPE, field))) == 1 for field in zip(*samples))
+        for field in zip(*samples):
+            if len(set(map(_DTYPE, field))) != 1:
+                return False
     except AttributeError:  # a field without a dtype (a number, a string): look closer
         return False
+    return True
 
 
 class GuardedCollate:

@@ -16,6 +16,8 @@ import torch
 
 from echelon3.config.errors import ConfigError
 
+NOTHING = contextlib.nullcontext()  # "no context", reusable: no object per micro-batch
+
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "bf16", "fp16", "fp32")
@@ -69,7 +71,7 @@ class Precision:
 
     def autocast(self):
         if self.dtype is None:
-            return contextlib.nullcontext()
+            return NOTHING
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -19,7 +19,6 @@ stops training after the window (the same batch on every rank).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from echelon3.config.errors import ConfigError
+from echelon3.distributed.precision import NOTHING
 from echelon3.distributed.ranks import get_rank
 
 log = logging.getLogger(__name__)
@@ -103,13 +103,14 @@ class Profiler:
     def label(self, name: str):
         """A ``record_function`` region while profiling, else nothing."""
         return torch.profiler.record_function(name) if self._prof is not None \
-            else contextlib.nullcontext()
+            else NOTHING
 
-    def batches(self, loader: Iterable) -> Iterator:
-        """The loader's batches, the wait for each one labelled ``data_wait``."""
-        if self._prof is None:
-            yield from loader
-            return
+    def batches(self, loader: Iterable) -> Iterable:
+        """The loader's batches, the wait for each one labelled ``data_wait`` while
+        profiling (else the loader itself: no layer per batch)."""
+        return loader if self._prof is None else self._labelled(loader)
+
+    def _labelled(self, loader: Iterable) -> Iterator:
         iterator = iter(loader)
         while True:
             with self.label("data_wait"):

@@ -88,7 +88,8 @@ class NonFiniteGuard:
                 losses: Sequence[Mapping[str, torch.Tensor]]) -> None:
         """Keep an optimizer step's losses (one mapping per micro-batch; no sync)."""
         if self.policy == "stop":
-            self.window.extend((epoch, step, parts) for parts in losses)
+            for parts in losses:
+                self.window.append((epoch, step, parts))
 
     def interval_flag(self, device) -> torch.Tensor:
         """1 when a step kept since the last call had a non-finite loss on this rank, as a
@@ -97,7 +98,11 @@ class NonFiniteGuard:
         self.unread.append(kept)
         if self.policy != "stop" or not kept:
             return torch.zeros((), device=device)
-        return (~torch.isfinite(_values(kept)[1])).any().float()
+        # A non-finite term makes the weighted total non-finite too (inf and NaN carry
+        # through sums and products, 0 x inf is NaN): the totals alone, one stack per
+        # interval; check() names the term.
+        totals = torch.stack([parts["loss"] for _, _, parts in kept])
+        return (~torch.isfinite(totals)).any().float()
 
     def read(self, flag: float) -> None:
         """The oldest unread interval's flag, summed over ranks, came back: forget its

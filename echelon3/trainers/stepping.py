@@ -30,13 +30,13 @@ another one every rank takes their mean (the window's all-reduce averages anyway
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Mapping, Sequence
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from echelon3.config.errors import ConfigError
+from echelon3.distributed.precision import NOTHING
 from echelon3.distributed.fsdp import like, no_sync, sharded_module
 from echelon3.distributed.ranks import get_world_size
 from echelon3.trainers.state import own
@@ -80,7 +80,7 @@ class Stepping:
         if not last and sharded_module(net) is not None:
             return no_sync(net)  # FSDP's counterpart
         if last or not isinstance(net, DistributedDataParallel) or (first and net.static_graph):
-            return contextlib.nullcontext()
+            return NOTHING
         return net.no_sync()
 
     def decide(self, parts: Mapping[str, torch.Tensor], last: bool) -> str:

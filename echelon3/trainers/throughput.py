@@ -118,7 +118,7 @@ class Throughput:
         inputs, target = split_batch(batch)
         if type(target) is torch.Tensor and type(inputs) is torch.Tensor and \
                 inputs.is_floating_point() and self.tokens_mode == "auto":
-            self.samples += len(target)  # the common case, float inputs (no tokens): fast
+            self.samples += target.shape[0]  # the common case, float inputs: no token probe
             return
         self.samples += batch_size(target)
         tokens = batch_tokens(inputs, self.tokens_mode)

@@ -77,3 +77,22 @@ def test_skip_with_a_closure_optimizer_is_refused_naming_the_key(tmp_path, capfd
                             "trainer": {"config": {"nan_policy": "skip"}}})
     assert echelon3("train", tmp_path) == 2
     assert "trainer.config.nan_policy: 'skip' cannot undo" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 1.0])
+@pytest.mark.parametrize("weight", [0.0, 1.0, -2.5])
+def test_the_interval_flag_from_the_totals_sees_every_non_finite_term(bad, weight):
+    """The log point's flag looks at the weighted totals only: a non-finite term (even of
+    weight 0) makes its total non-finite, so the flag is what a look at every term says."""
+    from echelon3.data.batches import weighted_loss
+    from echelon3.trainers.nonfinite import NonFiniteGuard
+
+    pred, target = torch.zeros(2, 3), torch.tensor([0, 1])
+    losses = {"ce": (torch.nn.CrossEntropyLoss(), 1.0),
+              "odd": (lambda p, t: torch.tensor(bad), weight)}
+    guard = NonFiniteGuard("stop")
+    for step in (1, 2):
+        total, parts = weighted_loss(losses, pred, target)
+        guard.observe(1, step, [{"loss": total.detach(), **parts}])
+    every_term = not all(torch.isfinite(v).all() for _, _, p in guard.window for v in p.values())
+    assert float(guard.interval_flag("cpu")) == float(every_term) == float(bad != 1.0)
