@@ -168,7 +168,8 @@ class GuardedCollate:
 
     def __call__(self, samples: list):
         indices = list(getattr(samples, "indices", None) or range(len(samples)))
-        odd = self._odd_one(samples, indices) if self.strict and samples else None
+        odd = None if not self.strict or not samples or _all_alike(samples) else \
+            self._odd_one(samples, indices, quick=False)
         if odd is not None:
             raise odd
         try:
