@@ -44,6 +44,9 @@ def hog(enabled: bool, cores: int | None = None, limit_s: float = 900.0) -> Iter
             p.wait()
 
 
+FORKSERVER = "multiprocessing.forkserver"  # the command line of echelon3's worker server
+
+
 @dataclass
 class Sample:
     """One process at one moment."""
@@ -76,7 +79,11 @@ class Tree:
                 role = "launcher"
             else:
                 line = " ".join(proc.cmdline())
-                role = "worker" if any(m in line for m in self.worker_marks) else "other"
+                parent = proc.parent()
+                forked = parent is not None and parent.pid != self.root_pid and \
+                    FORKSERVER in " ".join(parent.cmdline())  # a rank forked from the server
+                role = "worker" if forked or any(m in line for m in self.worker_marks) \
+                    else "other"
             self._roles[proc.pid] = role
         return self._roles[proc.pid]
 
