@@ -140,8 +140,12 @@ def ddp_table(rows: list[dict], runs: int) -> str:
 
 def contention_paragraph(rows: list[dict]) -> str:
     """What echelon3 added under contention, in the figures just measured."""
-    parts, helpers_small = [], True
+    parts, helpers_small, waiting = [], True, []
     for r in rows:
+        wall, cpu = r["echelon3_nofu"]["ratio_wall"][0], r["echelon3_nofu"]["ratio_cpu"]
+        if wall > 1.1 * cpu:  # the same work, more time: waiting, not computing
+            waiting.append(f"{'beside the hog' if r['busy'] else 'quiet'} {cpu:.2f}x the CPU "
+                           f"and {wall:.2f}x the wall time")
         hand, ours, nofu = (r[s]["roles"] for s in SIDES)
         search = ours["worker"]["cpu"] - nofu["worker"]["cpu"]
         launcher = ours["launcher"]["cpu"] + ours["other"]["cpu"]
@@ -153,8 +157,12 @@ def contention_paragraph(rows: list[dict]) -> str:
             f"{hand['worker']['cpu']:.3f} s hand-written; the unused-parameter search cost "
             f"{search:+.3f} s per epoch, echelon3's launcher and helpers {launcher:.3f} s "
             f"(torchrun's agent {hand['launcher']['cpu']:.3f} s)")
-    return ("**What echelon3 added under contention.** On a busy machine each rank gets a "
-            "share of a core, so its wall time follows its CPU time. " + ". ".join(parts) +
+    waits = ("" if not waiting else
+             " With ddp_find_unused_parameters: false echelon3's ranks took "
+             + " and ".join(waiting) + " of the hand-written loop's: that part of the time "
+             "the ranks were not computing but waiting (for a core, or for each other at an "
+             "all-reduce), which this table does not split further.")
+    return ("**What echelon3 added under contention.** " + ". ".join(parts) +
             (". The launcher's polling and threads take under 5% of the ranks' CPU: the "
-             "ranks' per-step work is where the time goes." if helpers_small else
-             ". The launcher and its helpers take 5% or more of the ranks' CPU."))
+             "ranks' per-step work is where the CPU goes." if helpers_small else
+             ". The launcher and its helpers take 5% or more of the ranks' CPU.") + waits)
