@@ -56,6 +56,19 @@ class Sample:
     threads: int
     voluntary: int
     involuntary: int
+    run_delay: float = 0.0  # seconds its threads sat runnable, waiting for a core
+
+
+def run_delay(pid: int) -> float:
+    """Seconds the threads of ``pid`` have been runnable but not running (the kernel's
+    schedstat; 0 where the kernel keeps none)."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, ValueError, IndexError), \
+                    open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[1])
+    return total / 1e9
 
 
 @dataclass
@@ -95,7 +108,8 @@ class Tree:
                 with contextlib.suppress(psutil.Error), proc.oneshot():
                     t, ctx = proc.cpu_times(), proc.num_ctx_switches()
                     found[proc.pid] = Sample(self._role(proc), t.user + t.system,
-                                             proc.num_threads(), ctx.voluntary, ctx.involuntary)
+                                             proc.num_threads(), ctx.voluntary, ctx.involuntary,
+                                             run_delay(proc.pid))
         return found
 
     def _run(self) -> None:
@@ -111,7 +125,8 @@ class Tree:
 
     def between(self, start: float, end: float) -> dict[str, dict[str, float]]:
         """Per role, from the samples nearest ``start`` and ``end`` (epoch seconds): CPU
-        seconds, context switches, processes, and the most threads any one had."""
+        seconds, seconds waiting for a core, context switches, processes, and the most
+        threads any one had."""
         if not self.series:
             return {}
         first = min(self.series, key=lambda s: abs(s[0] - start))[1]
@@ -120,12 +135,13 @@ class Tree:
         for pid, now in last.items():
             before = first.get(pid)
             row = out.setdefault(now.role, dict(cpu=0.0, voluntary=0, involuntary=0,
-                                                processes=0, threads=0))
+                                                processes=0, threads=0, run_delay=0.0))
             row["processes"] += 1
             row["threads"] = max(row["threads"], now.threads)
             row["cpu"] += now.cpu - (before.cpu if before else 0.0)
             row["voluntary"] += now.voluntary - (before.voluntary if before else 0)
             row["involuntary"] += now.involuntary - (before.involuntary if before else 0)
+            row["run_delay"] += now.run_delay - (before.run_delay if before else 0.0)
         return out
 
 

@@ -68,7 +68,8 @@ def run_ddp_side(side: str, w: Workload, work: Path, smoke: bool, busy: bool) ->
     first, last = ((out / f"checkpoint-{e}.tar").stat().st_mtime for e in (1, w.epochs))
     epochs = w.epochs - 1
     roles = tree.between(first, last)
-    per_epoch = {role: {k: v / epochs if k in ("cpu", "voluntary", "involuntary") else v
+    per_epoch = {role: {k: v / epochs if k in ("cpu", "run_delay", "voluntary",
+                                                  "involuntary") else v
                         for k, v in roles.get(role, {}).items()} for role in ROLES}
     return {"wall": (last - first) / epochs, "roles": per_epoch, "total_cpu": total_cpu,
             "loss": _final_loss(side, out)}
@@ -88,8 +89,8 @@ def measure_ddp(w: Workload, runs: int, smoke: bool, busy: bool, work: Path) -> 
             "total_cpu": statistics.median(r["total_cpu"] for r in rs),
             "loss": rs[-1]["loss"],
             "roles": {role: {key: statistics.median(r["roles"][role].get(key, 0) for r in rs)
-                             for key in ("cpu", "processes", "threads", "voluntary",
-                                         "involuntary")} for role in ROLES}}
+                             for key in ("cpu", "run_delay", "processes", "threads",
+                                         "voluntary", "involuntary")} for role in ROLES}}
     hand = row["hand"]
     hand_cpu = max(1e-9, sum(hand["roles"][r]["cpu"] for r in ROLES))
     for side in ("echelon3", "echelon3_nofu"):
@@ -117,9 +118,10 @@ def ddp_table(rows: list[dict], runs: int) -> str:
             same = "" if side == "hand" else (" (same)" if x["same_loss"] else " (DIFFERS)")
             lines.append(f"| {r['row']} | {name} | {x['wall'][0]:.3f} / {x['wall'][1]:.3f} "
                          f"{ratios} | {x['loss']:.6f}{same} |")
-    lines += ["", "Where the CPU went, per steady epoch (medians): CPU s, context switches "
-              "(voluntary / involuntary), processes x most threads in one; the whole run's "
-              "CPU s from the kernel (start-up included).", "",
+    lines += ["", "Where the CPU went, per steady epoch (medians): CPU s, s runnable but "
+              "waiting for a core, context switches (voluntary / involuntary), processes x "
+              "most threads in one; the whole run's CPU s from the kernel (start-up "
+              "included).", "",
               "| DDP row | side | launcher | ranks | other | whole run CPU s |",
               "|---|---|---|---|---|---|"]
     for r in rows:
@@ -127,7 +129,8 @@ def ddp_table(rows: list[dict], runs: int) -> str:
             cells = []
             for role in ROLES:
                 x = r[side]["roles"][role]
-                cells.append(f"{x['cpu']:.3f} s, {x['voluntary']:.0f} / {x['involuntary']:.0f}, "
+                cells.append(f"{x['cpu']:.3f} s, {x['run_delay']:.3f} s waiting, "
+                             f"{x['voluntary']:.0f} / {x['involuntary']:.0f}, "
                              f"{x['processes']:.0f} x {x['threads']:.0f}" if x["processes"]
                              else "-")
             lines.append(f"| {r['row']} | {name} | {' | '.join(cells)} "
@@ -144,8 +147,11 @@ def contention_paragraph(rows: list[dict]) -> str:
     for r in rows:
         wall, cpu = r["echelon3_nofu"]["ratio_wall"][0], r["echelon3_nofu"]["ratio_cpu"]
         if wall > 1.1 * cpu:  # the same work, more time: waiting, not computing
+            core = (r["echelon3_nofu"]["roles"]["worker"].get("run_delay", 0.0),
+                    r["hand"]["roles"]["worker"].get("run_delay", 0.0))
             waiting.append(f"{'beside the hog' if r['busy'] else 'quiet'} {cpu:.2f}x the CPU "
-                           f"and {wall:.2f}x the wall time")
+                           f"and {wall:.2f}x the wall time (runnable but waiting for a core: "
+                           f"{core[0]:.3f} s per epoch, hand-written {core[1]:.3f} s)")
         hand, ours, nofu = (r[s]["roles"] for s in SIDES)
         search = ours["worker"]["cpu"] - nofu["worker"]["cpu"]
         launcher = ours["launcher"]["cpu"] + ours["other"]["cpu"]
@@ -160,8 +166,8 @@ def contention_paragraph(rows: list[dict]) -> str:
     waits = ("" if not waiting else
              " With ddp_find_unused_parameters: false echelon3's ranks took "
              + " and ".join(waiting) + " of the hand-written loop's: that part of the time "
-             "the ranks were not computing but waiting (for a core, or for each other at an "
-             "all-reduce), which this table does not split further.")
+             "the ranks were not computing but waiting: for a core (the figure in brackets, "
+             "over both ranks), else asleep, for each other at an all-reduce.")
     return ("**What echelon3 added under contention.** " + ". ".join(parts) +
             (". The launcher's polling and threads take under 5% of the ranks' CPU: the "
              "ranks' per-step work is where the CPU goes." if helpers_small else

@@ -36,8 +36,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from echelon3.config.errors import ConfigError
-from echelon3.distributed.precision import NOTHING
 from echelon3.distributed.fsdp import like, no_sync, sharded_module
+from echelon3.distributed.precision import NOTHING
 from echelon3.distributed.ranks import get_world_size
 from echelon3.trainers.state import own
 
