@@ -29,6 +29,7 @@ from benchmarks.workloads import Workload
 
 REPO = Path(__file__).resolve().parents[1]
 ROLES = ("launcher", "worker", "other")
+COUNTERS = ("cpu", "run_delay", "voluntary", "involuntary")  # per role, summed over an epoch
 SIDES = {"hand": "hand-written (torchrun)", "echelon3": "echelon3 (defaults)",
          "echelon3_nofu": "echelon3, ddp_find_unused_parameters: false"}
 
@@ -68,8 +69,7 @@ def run_ddp_side(side: str, w: Workload, work: Path, smoke: bool, busy: bool) ->
     first, last = ((out / f"checkpoint-{e}.tar").stat().st_mtime for e in (1, w.epochs))
     epochs = w.epochs - 1
     roles = tree.between(first, last)
-    per_epoch = {role: {k: v / epochs if k in ("cpu", "run_delay", "voluntary",
-                                                  "involuntary") else v
+    per_epoch = {role: {k: v / epochs if k in COUNTERS else v
                         for k, v in roles.get(role, {}).items()} for role in ROLES}
     return {"wall": (last - first) / epochs, "roles": per_epoch, "total_cpu": total_cpu,
             "loss": _final_loss(side, out)}
@@ -89,8 +89,8 @@ def measure_ddp(w: Workload, runs: int, smoke: bool, busy: bool, work: Path) -> 
             "total_cpu": statistics.median(r["total_cpu"] for r in rs),
             "loss": rs[-1]["loss"],
             "roles": {role: {key: statistics.median(r["roles"][role].get(key, 0) for r in rs)
-                             for key in ("cpu", "run_delay", "processes", "threads",
-                                         "voluntary", "involuntary")} for role in ROLES}}
+                             for key in (*COUNTERS, "processes", "threads")}
+                      for role in ROLES}}
     hand = row["hand"]
     hand_cpu = max(1e-9, sum(hand["roles"][r]["cpu"] for r in ROLES))
     for side in ("echelon3", "echelon3_nofu"):
@@ -145,14 +145,13 @@ def contention_paragraph(rows: list[dict]) -> str:
     """What echelon3 added under contention, in the figures just measured."""
     parts, helpers_small, waiting = [], True, []
     for r in rows:
+        hand, ours, nofu = (r[s]["roles"] for s in SIDES)
         wall, cpu = r["echelon3_nofu"]["ratio_wall"][0], r["echelon3_nofu"]["ratio_cpu"]
         if wall > 1.1 * cpu:  # the same work, more time: waiting, not computing
-            core = (r["echelon3_nofu"]["roles"]["worker"].get("run_delay", 0.0),
-                    r["hand"]["roles"]["worker"].get("run_delay", 0.0))
             waiting.append(f"{'beside the hog' if r['busy'] else 'quiet'} {cpu:.2f}x the CPU "
                            f"and {wall:.2f}x the wall time (runnable but waiting for a core: "
-                           f"{core[0]:.3f} s per epoch, hand-written {core[1]:.3f} s)")
-        hand, ours, nofu = (r[s]["roles"] for s in SIDES)
+                           f"{nofu['worker']['run_delay']:.3f} s per epoch, hand-written "
+                           f"{hand['worker']['run_delay']:.3f} s)")
         search = ours["worker"]["cpu"] - nofu["worker"]["cpu"]
         launcher = ours["launcher"]["cpu"] + ours["other"]["cpu"]
         helpers_small = helpers_small and launcher < 0.05 * max(1e-9, ours["worker"]["cpu"])

@@ -151,12 +151,8 @@ class GuardedCollate:
         self.collate_fn, self.key = collate_fn, key
         self.strict = collate_fn is None or collate_fn is default_collate
 
-    def _odd_one(self, samples: list, indices: list[int], quick: bool = True
-                 ) -> DataError | None:
-        """The error naming the first sample unlike the batch's first; ``quick``: the common
-        case (:func:`_all_alike`) passes without signatures."""
-        if quick and _all_alike(samples):
-            return None
+    def _odd_one(self, samples: list, indices: list[int]) -> DataError | None:
+        """The error naming the first sample unlike the batch's first, by signatures."""
         first = _signature(samples[0])
         for index, sample in zip(indices[1:], samples[1:]):
             signature = _signature(sample)
@@ -169,13 +165,13 @@ class GuardedCollate:
     def __call__(self, samples: list):
         indices = list(getattr(samples, "indices", None) or range(len(samples)))
         odd = None if not self.strict or not samples or _all_alike(samples) else \
-            self._odd_one(samples, indices, quick=False)
+            self._odd_one(samples, indices)
         if odd is not None:
             raise odd
         try:
             batch = (self.collate_fn or default_collate)(list(samples))
         except Exception as e:
-            odd = self._odd_one(samples, indices, quick=False) if samples else None
+            odd = self._odd_one(samples, indices) if samples else None
             if odd is None:
                 raise
             raise odd from e

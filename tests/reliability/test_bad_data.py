@@ -78,7 +78,7 @@ def test_the_fast_check_of_alike_samples_names_the_same_odd_one_as_the_full_chec
     collate = s.GuardedCollate(None, "data.train")
     assert s._all_alike(batch[:4]) and s._all_alike(batch) == (odd == "shape")
     assert collate._odd_one(batch[:4], list(range(4))) is None
-    error = collate._odd_one(batch, list(range(6)), quick=False)
+    error = collate._odd_one(batch, list(range(6)))
     full = s._signature(batch[4]), s._signature(batch[0])  # the check without the fast path
     assert full[0] != full[1] and str(error).startswith("data.train: sample 4: "), error
     with pytest.raises(s.DataError) as raised:  # what the loader does with the batch
