@@ -164,22 +164,24 @@ KILLED = textwrap.dedent("""
     manager.wait()
     real_save = torch.save
 
+    stalled = threading.Event()
+
     class Stalling:  # the file the second write goes to: it stops after its first bytes
-        def __init__(self, f): self.f, self.said = f, False
+        def __init__(self, f): self.f = f
         def write(self, data):
             n = self.f.write(data)
-            if not self.said:
+            if not stalled.is_set():
                 self.f.flush()
-                temp = [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]
-                print("temp", *temp, flush=True)
-                self.said = True
+                stalled.set()
                 threading.Event().wait()
             return n
         def __getattr__(self, name): return getattr(self.f, name)
 
     torch.save = lambda obj, f: real_save(obj, Stalling(f))
     manager.save_checkpoint({**state, "epoch": 2}, 2)
-    print("returned", flush=True)
+    print("returned", flush=True)  # one thread prints, so the two lines never interleave
+    stalled.wait()
+    print("temp", *[p.name for p in folder.iterdir() if p.name.endswith(".tmp")], flush=True)
     threading.Event().wait()
 """)
 
@@ -190,8 +192,8 @@ def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint(tmp_pat
     proc = subprocess.Popen([sys.executable, "-c", KILLED, str(folder)], env=env, text=True,
                             stdout=subprocess.PIPE)
     try:
-        said = {proc.stdout.readline().split()[0], proc.stdout.readline().split()[0]}
-        assert said == {"temp", "returned"}  # the save returned; the write is under way
+        said = [proc.stdout.readline().split()[:1], proc.stdout.readline().split()[:1]]
+        assert said == [["returned"], ["temp"]]  # the save returned; the write is under way
         assert any(p.name.startswith(".checkpoint-2.tar.") for p in folder.iterdir())
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
