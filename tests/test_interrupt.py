@@ -79,6 +79,22 @@ def test_after_disarm_a_signal_only_sets_the_flag():
     assert not interrupt.interrupted()  # the caller's state is back
 
 
+def test_a_ctrl_c_while_the_interpreter_finishes_is_ignored_by_the_kernel(tmp_path):
+    """Finalisation puts a Python-level handler back to the default (which kills with
+    SIGINT, exit -2); once main() has its exit code the kernel itself ignores SIGINT."""
+    script = ("import os, signal, sys\n"
+              "from echelon3.distributed import interrupt\n"
+              "with interrupt.handling(keep=True):\n"
+              "    pass\n"
+              "status = open('/proc/self/status').read()\n"
+              "ignored = int(status.split('SigIgn:')[1].split()[0], 16)\n"
+              "print(bool(ignored & (1 << (signal.SIGINT - 1))))\n"
+              "os.kill(os.getpid(), signal.SIGINT)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stdout.strip(), done.stderr) == (0, "True", "")
+
+
 def _handler_installed(pid: int) -> bool:
     """echelon3's main() is running: the process catches SIGALRM (the retry timer)."""
     try:

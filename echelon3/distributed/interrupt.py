@@ -121,8 +121,9 @@ def disarm() -> None:
 
 @contextlib.contextmanager
 def handling(keep: bool) -> Iterator[None]:
-    """:func:`install` for the body; then :func:`disarm`, and unless ``keep`` (the process
-    ends next) give the caller its own SIGINT handling back."""
+    """:func:`install` for the body; then :func:`disarm`, and either ignore SIGINT
+    (``keep``: the process ends next, its exit code is set) or give the caller its own
+    SIGINT handling back."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -133,7 +134,9 @@ def handling(keep: bool) -> Iterator[None]:
         yield
     finally:
         disarm()
-        if not keep:
+        if keep:  # finalisation resets a Python handler to the default, which would kill
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the process: ignore it instead
+        else:
             signal.signal(signal.SIGINT, saved[0])
             signal.signal(signal.SIGALRM, saved[1])
             sys.unraisablehook = saved[2]
