@@ -229,6 +229,20 @@ def test_default_logger_writes_tensorboard_too(tmp_path):
     assert echelon3("train", tmp_path, "trainer.config.epochs=2") == 0  # resumed
     assert len(list((target(tmp_path) / "tensorboard").glob("events.out.tfevents.*"))) == 2
     assert [r["epoch"] for r in history(target(tmp_path), "val")] == [1, 2]
+    # every number of history.jsonl is in TensorBoard under split/name at its step
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(target(tmp_path) / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    seen = {(tag, e.step): e.value for tag in events.Tags()["scalars"]
+            for e in events.Scalars(tag)}
+    records = [json.loads(line) for line in
+               (target(tmp_path) / "history.jsonl").read_text().splitlines()]
+    wanted = {(f"{r['split']}/{k}", r["step"]): v for r in records
+              for k, v in r.items() if k not in ("split", "epoch", "step") and
+              isinstance(v, int | float)}
+    assert wanted and seen.keys() == wanted.keys()
+    assert all(seen[key] == pytest.approx(value, rel=1e-6) for key, value in wanted.items())
 
 
 def test_the_no_op_logger_can_be_configured(tmp_path):
