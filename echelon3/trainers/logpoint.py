@@ -1,8 +1,9 @@
 """A log point's one collective, read one log point later.
 
 Every ``log_every_n_steps`` optimizer steps the trainer gathers what needs all
-ranks: the interval's mean losses, the non-finite flag of its steps and, under
-DDP, whether a rank received a preemption signal. :meth:`LogPoint.exchange`
+ranks: the interval's mean losses (non-finite when one of its steps' losses was:
+the non-finite guard's flag) and, under DDP, whether a rank received a
+preemption signal. :meth:`LogPoint.exchange`
 starts one asynchronous all-reduce over all of it and returns what the previous
 log point started, read now: by then the device has long finished it, so the
 host never waits for the device and no step but a log point runs a collective.
@@ -35,28 +36,33 @@ class LogPoint:
         # the device's too (on the CPU always).
         self.read_at = time.perf_counter()
         self.synced = previous is not None or not any(v.is_cuda for v in values.values())
-        names = list(values)
-        sizes = [values[n].numel() for n in names]
+        if get_world_size() == 1:  # nothing to sum: each tensor is read as it is
+            self._pending = (record, values, None)
+            return previous
+        names = {n: v.numel() for n, v in values.items()}
         # float64: counts of samples and tokens stay exact (float32 is exact below 2**24)
         flat = torch.cat([values[n].detach().double().reshape(-1) for n in names])
         work = None
-        if get_world_size() > 1 and flat.is_cuda:  # NCCL: queued behind the step, read later
+        if flat.is_cuda:  # NCCL: queued behind the step, read later
             work = tdist.all_reduce(flat, async_op=True)
-        elif get_world_size() > 1:  # gloo on the CPU: no device queue to wait behind
+        else:  # gloo on the CPU: no device queue to wait behind
             tdist.all_reduce(flat)
-        self._pending = (record, names, sizes, flat, work)
+        self._pending = (record, names, (flat, work))
         return previous
 
     def flush(self):
         """Read the exchange in flight now (at the end of an epoch or before saving)."""
         if self._pending is None:
             return None
-        record, names, sizes, flat, work = self._pending
+        record, held, summed = self._pending  # held: {name: tensor} or {name: size}
         self._pending = None
+        if summed is None:
+            return record, {name: t.reshape(-1).tolist() for name, t in held.items()}
+        flat, work = summed
         if work is not None:
             work.wait()
         numbers, out, at = flat.tolist(), {}, 0
-        for name, size in zip(names, sizes):
+        for name, size in held.items():
             out[name], at = numbers[at:at + size], at + size
         return record, out
 
@@ -80,7 +86,8 @@ class LogPoints:
         means = self.running.take()
         if means is not None and not self._ddp_hinted:  # until DDP's figures are in
             self._ddp_hinted = hint_unused_search(self.net)
-        values = {"bad": self.nonfinite.interval_flag(self.device)}
+        self.nonfinite.close_interval()
+        values = {}
         if get_world_size() > 1:
             values["stop"] = torch.tensor(float(preemption.requested() is not None),
                                           device=self.device)
@@ -110,7 +117,7 @@ class LogPoints:
         if read is None:
             return
         record, values = read
-        self.nonfinite.read(values["bad"][0])
+        self.nonfinite.read(values.get("losses"))
         if record is not None:
             record = self.running.fill(record, values["losses"])
             record = self.throughput.fill(record, values.get("seen"))

@@ -19,6 +19,7 @@ steps whose gradients overflow; their loss is finite, so they are not counted he
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -91,23 +92,19 @@ class NonFiniteGuard:
             for parts in losses:
                 self.window.append((epoch, step, parts))
 
-    def interval_flag(self, device) -> torch.Tensor:
-        """1 when a step kept since the last call had a non-finite loss on this rank, as a
-        device tensor for the log point's collective (read one interval later)."""
+    def close_interval(self) -> None:
+        """A log point: the steps kept since the last one wait for its collective. Its
+        summed loss means are the flag (read one interval later): a non-finite term makes
+        the weighted total non-finite (inf and NaN carry through sums and products, 0 x inf
+        is NaN), and so the mean and the sum over ranks; check() names the term."""
         kept, self.window = self.window, []
         self.unread.append(kept)
-        if self.policy != "stop" or not kept:
-            return torch.zeros((), device=device)
-        # A non-finite term makes the weighted total non-finite too (inf and NaN carry
-        # through sums and products, 0 x inf is NaN): the totals alone, one stack per
-        # interval; check() names the term.
-        totals = torch.stack([parts["loss"] for _, _, parts in kept])
-        return (~torch.isfinite(totals)).any().float()
 
-    def read(self, flag: float) -> None:
-        """The oldest unread interval's flag, summed over ranks, came back: forget its
-        steps when it is 0, else name the first bad step (raises)."""
-        if flag > 0:
+    def read(self, sums: Sequence[float] | None) -> None:
+        """The oldest unread interval's loss means, summed over ranks (None: it held no
+        step), came back: forget its steps when they are finite, else name the first bad
+        step (raises; a false alarm, finite values whose sum overflowed, passes)."""
+        if sums is not None and not all(math.isfinite(v) for v in sums):
             self.check()
         elif self.unread:
             self.unread.pop(0)

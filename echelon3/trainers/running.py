@@ -38,9 +38,10 @@ class RunningLosses:
         ranks' sum is the mean), on the device; None when the interval holds nothing."""
         if not self._steps:
             return None
-        means = torch.stack(self._steps).float().mean(0).reshape(-1) / get_world_size()
+        means = torch.stack(self._steps).mean(0, dtype=torch.float32).reshape(-1)
         self._steps = []
-        return means
+        world = get_world_size()
+        return means if world == 1 else means.div_(world)
 
     def fill(self, record: dict, sums: Sequence[float]) -> dict:
         """``record`` with the names' values from :meth:`take`'s sums over the ranks."""

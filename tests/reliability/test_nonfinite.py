@@ -81,18 +81,39 @@ def test_skip_with_a_closure_optimizer_is_refused_naming_the_key(tmp_path, capfd
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 1.0])
 @pytest.mark.parametrize("weight", [0.0, 1.0, -2.5])
-def test_the_interval_flag_from_the_totals_sees_every_non_finite_term(bad, weight):
-    """The log point's flag looks at the weighted totals only: a non-finite term (even of
-    weight 0) makes its total non-finite, so the flag is what a look at every term says."""
+def test_the_log_points_loss_means_see_every_non_finite_term(bad, weight):
+    """The guard's flag is the log point's mean losses: a non-finite term (even of weight
+    0) makes its total and so the mean non-finite, so the flag says what a look at every
+    term says; the error names the term."""
     from echelon3.data.batches import weighted_loss
-    from echelon3.trainers.nonfinite import NonFiniteGuard
+    from echelon3.trainers.nonfinite import NonFiniteGuard, NonFiniteLoss
+    from echelon3.trainers.running import RunningLosses
 
     pred, target = torch.zeros(2, 3), torch.tensor([0, 1])
     losses = {"ce": (torch.nn.CrossEntropyLoss(), 1.0),
               "odd": (lambda p, t: torch.tensor(bad), weight)}
-    guard = NonFiniteGuard("stop")
+    guard, running = NonFiniteGuard("stop"), RunningLosses(["loss", "ce", "odd"], False)
     for step in (1, 2):
         total, parts = weighted_loss(losses, pred, target)
         guard.observe(1, step, [{"loss": total.detach(), **parts}])
+        running.add({"loss": total.detach(), **parts})
     every_term = not all(torch.isfinite(v).all() for _, _, p in guard.window for v in p.values())
-    assert float(guard.interval_flag("cpu")) == float(every_term) == float(bad != 1.0)
+    guard.close_interval()
+    try:
+        guard.read(running.take().tolist())
+        raised = None
+    except NonFiniteLoss as e:
+        raised = str(e)
+    assert (raised is not None) == every_term == (bad != 1.0)
+    assert raised is None or "step 1: loss term 'odd'" in raised
+    assert guard.unread == []
+
+
+def test_finite_losses_whose_sum_overflowed_pass_and_are_forgotten():
+    from echelon3.trainers.nonfinite import NonFiniteGuard
+
+    guard = NonFiniteGuard("stop")
+    guard.observe(1, 1, [{"loss": torch.tensor(3e38)}, {"loss": torch.tensor(3e38)}])
+    guard.close_interval()
+    guard.read([float("inf")])  # what the sum of the two reads: a look at each passes
+    assert guard.unread == [] and guard.window == []
