@@ -1,8 +1,10 @@
 """The DDP loop a researcher writes by hand, for the DDP row of ``workloads.py``.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/handwritten_ddp.py OUT_DIR [--smoke]
+        [--find-unused]
 
-gloo on the CPU, DistributedDataParallel with its defaults, ``no_sync`` on every
+gloo on the CPU, DistributedDataParallel with its defaults (``--find-unused``:
+``find_unused_parameters=True``, echelon3's default), ``no_sync`` on every
 micro-batch of an accumulation window but the last, gradient clipping, AdamW and a
 per-epoch scheduler. The same seeds and data order as ``echelon3 train`` with
 ``nproc: 2`` (seed, build the network, re-seed with seed + rank; a DistributedSampler
@@ -41,7 +43,7 @@ def main(argv: list[str]) -> None:
                                              size=w.test_size)))
     net = make(w.net)
     seed(rank)
-    model = DistributedDataParallel(net)
+    model = DistributedDataParallel(net, find_unused_parameters="--find-unused" in argv)
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True,
                                  seed=0, drop_last=w.drop_last)
     train_loader = DataLoader(train_set, batch_size=w.batch_size // world, sampler=sampler,

@@ -110,10 +110,11 @@ def test_the_hog_burns_every_core_it_is_given_and_ends_with_its_block():
 
 
 @pytest.mark.slow
-def test_parity_ddp_row_trains_all_three_sides_to_the_same_loss(capsys):
+def test_parity_ddp_row_trains_all_four_sides_to_the_same_loss(capsys):
     assert parity.main(["--smoke", "--runs", "1", "--rows", "DDP", "--no-append"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| DDP 2 gloo")]
-    assert len(rows) == 3 + 3, out  # three sides, then where their CPU went
-    assert sum("(same)" in line for line in rows) == 2, out
+    assert len(rows) == 4 + 4, out  # four sides, then where their CPU went
+    assert sum("(same)" in line for line in rows) == 3, out
+    assert sum("(vs hand-written" in line for line in rows) == 2, out
     assert "What echelon3 added under contention" in out
