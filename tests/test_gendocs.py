@@ -152,16 +152,20 @@ def test_region_replacement_keeps_the_rest_of_the_page():
         regions.replace("no markers", "t", "x")
 
 
-def test_benchmarks_show_the_newest_section_of_each_script(tmp_path):
+def test_benchmarks_show_the_newest_section_of_each_script_and_kind_of_table(tmp_path):
     from tools.gendocs import benchmarks
 
     results = tmp_path / "benchmarks" / "RESULTS.md"
     results.parent.mkdir()
     results.write_text("# Benchmark results\n\n## parity — 2026-11-30 10:00 UTC\n\nold table\n\n"
                        "## ddp_cpu — 2026-11-30 11:00 UTC\n\n| a |\n|---|\n\n"
-                       "## parity — 2026-11-30 12:00 UTC\n\nnew table\n")
+                       "## parity — 2026-11-30 12:00 UTC\n\nnew table\n\n"
+                       "## parity — 2026-11-30 13:00 UTC\n\n| DDP row |\n|---|\n| old |\n\n"
+                       "## parity — 2026-11-30 14:00 UTC\n\n| DDP row |\n|---|\n| new |\n")
     page = benchmarks.render(tmp_path)
     assert "new table" in page and "old table" not in page
-    assert page.index("`parity`, 2026-11-30 12:00 UTC") < page.index("`ddp_cpu`")
+    assert "| new |" in page and "| old |" not in page
+    assert (page.index("`parity`, 2026-11-30 12:00 UTC") < page.index("`parity`, 2026-11-30 14:00")
+            < page.index("`ddp_cpu`"))
     only = benchmarks.render(tmp_path, ("gpu_check", "ddp_cpu"))
     assert "| a |" in only and "Not measured yet: `benchmarks/gpu_check.py`" in only
