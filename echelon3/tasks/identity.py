@@ -36,9 +36,10 @@ VOLATILE = ("device", "gpus", "nproc", "device_ids", "mlops", "mlflow", "wandb",
             "runner", "on_config_change", "trainer.config.epochs", "trainer.config.precision",
             "trainer.config.tf32", "trainer.config.cudnn_benchmark", "trainer.config.compile",
             "trainer.config.compile_mode", "trainer.config.log_every_n_steps",
-            "trainer.config.progress_bar", "trainer.config.nan_policy", "trainer.config.profile",
-            "trainer.config.extend", "trainer.config.max_steps", "strategy", "fsdp",
-            "activation_checkpointing", "target.path", "target.checkpoints_to_keep",
+            "trainer.config.progress_bar", "trainer.config.gc_every_n_steps",
+            "trainer.config.nan_policy", "trainer.config.profile", "trainer.config.extend",
+            "trainer.config.max_steps", "strategy", "fsdp", "activation_checkpointing",
+            "target.path", "target.checkpoints_to_keep",
             "target.every_n_steps", "target.every_n_minutes", "target.step_checkpoints_to_keep",
             "target.async_save", "resume_from", "export")
 _LOADER_VOLATILE = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")

@@ -13,7 +13,9 @@ What happens for each micro-batch, in this order (the one place it is written):
 4. When the window closed: ``step``: gradient clipping (fp16: unscaled first),
    the optimizer steps, the EMA of the weights moves; ``skip``: the window's
    gradients are dropped. ``global_step`` counts the window, a per-step
-   scheduler steps, and the window's losses go to the non-finite guard and to
+   scheduler steps, every ``gc_every_n_steps``-th step Python's garbage is
+   collected (:mod:`echelon3.trainers.collection`: at the same step on every rank,
+   never in between), and the window's losses go to the non-finite guard and to
    the running means (not when skipped).
 5. At a log point (every ``log_every_n_steps`` optimizer steps, and at the end
    of the epoch): one collective starts (losses, non-finite flag, preemption
@@ -64,6 +66,7 @@ from echelon3.observe.profiler import Profiler
 from echelon3.optimizers.closure import is_closure_optimizer
 from echelon3.trainers.checkpointing import Checkpointing
 from echelon3.trainers.clipping import GradientClipping
+from echelon3.trainers.collection import Collection
 from echelon3.trainers.early_stopping import EarlyStopping
 from echelon3.trainers.ema import EMA
 from echelon3.trainers.length import RunLength
@@ -96,7 +99,7 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
                  gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm",
                  early_stopping: Mapping | None = None, ema: Mapping | None = None,
                  count_tokens: Any = "auto", flops_per_step: Any = None,
-                 peak_flops: float | None = None):
+                 peak_flops: float | None = None, gc_every_n_steps: int | None = 50):
         self.length = RunLength(epochs, max_steps, val_check_interval, validate_at_start,
                                 times_to_validate_per_epoch)
         self.net, self.losses, self.optimizer = net, losses, optimizer
@@ -131,6 +134,7 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
         self.throughput = Throughput(count_tokens, flops_per_step, peak_flops)
         self.throughput.resolve_peak(device, getattr(precision, "mode", "fp32"),
                                      get_world_size(), net)
+        self.collection = Collection(gc_every_n_steps)
         self._clock: EpochClock | None = None
         self._stop = False  # a rank received a preemption signal (read at a log point)
         self.position = EpochPosition()
@@ -210,12 +214,14 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
         return decision
 
     def _after_step(self, decision: str) -> None:
-        """Step 4's end: the EMA moves (a step taken), a per-step scheduler steps."""
+        """Step 4's end: the EMA moves (a step taken), a per-step scheduler steps, Python's
+        garbage is collected every ``gc_every_n_steps``."""
         if decision == STEP and self.ema is not None:
             self.ema.update(self.global_step)
         self._lr = self.optimizer.param_groups[0]["lr"]
         if self.interval == "step" and self.scheduler is not None:
             self.scheduler.step()
+        self.collection.after_step(self.global_step)
 
     def _step_flops(self, batch) -> int:
         """One micro-batch's forward and backward FLOPs on this rank, training untouched."""
@@ -306,15 +312,8 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
         return None
 
     def _progress(self, epoch: int, steps: int | None, done: int):
-        """The progress bar: micro-batches of the epoch, or of the run when it is counted
-        in steps only."""
-        accum = self.stepping.steps
-        if self.epochs is None:
-            total = self.length.max_steps * accum
-            initial = self.global_step * accum
-            desc = f"step {self.global_step}/{self.length.max_steps}"
-        else:
-            total, initial, desc = steps, done, f"epoch {epoch + 1}/{self.epochs}"
+        total, initial, desc = self.length.bar(epoch, steps, done, self.global_step,
+                                               self.stepping.steps)
         return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True,
                     disable=None if self.progress_bar else True)
 
@@ -323,6 +322,10 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
         return self._stop or (preemption.requested() is not None and get_world_size() == 1)
 
     def fit(self) -> dict[str, float] | None:
+        with self.collection.during_fit():  # Python's garbage: at the same steps on all ranks
+            return self._fit()
+
+    def _fit(self) -> dict[str, float] | None:
         if self._resume_rng is not None:
             restore_for_rank(*self._resume_rng, get_rank(), get_world_size())
             self._resume_rng = None

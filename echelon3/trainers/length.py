@@ -86,3 +86,12 @@ class RunLength:
         parts = [f"{self.epochs} epochs"] if self.epochs is not None else []
         parts += [f"{self.max_steps} steps"] if self.max_steps is not None else []
         return " or ".join(parts)
+
+    def bar(self, epoch: int, steps: int | None, done: int, global_step: int,
+            accum: int) -> tuple[int | None, int, str]:
+        """The progress bar's (total, initial, description): micro-batches of the epoch,
+        or of the run when it is counted in steps only."""
+        if self.epochs is None:
+            return (self.max_steps * accum, global_step * accum,
+                    f"step {global_step}/{self.max_steps}")
+        return steps, done, f"epoch {epoch + 1}/{self.epochs}"

@@ -1,0 +1,75 @@
+"""``trainer.config.gc_every_n_steps``: Python's collector during ``fit`` (the steps it
+collects at on two ranks: tests/test_collectives.py)."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+
+from echelon3.config.errors import ConfigError
+from echelon3.trainers.collection import Collection
+from tests.helpers import make_trainer
+
+
+def _child_status(code_if_enabled: int = 0) -> int:
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker, forked during training
+        os._exit(code_if_enabled if gc.isenabled() else 1)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_fit_turns_the_collector_off_a_fork_gets_it_back_and_it_is_restored(tmp_path):
+    seen = []
+    trainer = make_trainer(tmp_path, epochs=1, gc_every_n_steps=2)
+    step = trainer.micro_batch
+
+    def watched(*args, **kwargs):
+        seen.append((gc.isenabled(), gc.get_freeze_count() > 0, _child_status()))
+        return step(*args, **kwargs)
+
+    trainer.micro_batch = watched
+    trainer.fit()
+    assert seen and all(s == (False, True, 0) for s in seen)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_an_error_in_fit_leaves_the_collector_on(tmp_path):
+    trainer = make_trainer(tmp_path, epochs=1)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    trainer.micro_batch = failing
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_zero_leaves_pythons_own_collector_and_so_does_one_already_off():
+    with Collection(0).during_fit():
+        assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.disable()
+    try:
+        with Collection(5).during_fit():
+            assert gc.get_freeze_count() == 0
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_another_freeze_is_kept():
+    gc.freeze()
+    try:
+        with Collection(5).during_fit():
+            assert not gc.isenabled()
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, "50", True])
+def test_a_bad_value_names_the_key(bad):
+    with pytest.raises(ConfigError, match=r"^trainer\.config\.gc_every_n_steps: must be a whole"):
+        Collection(bad)
