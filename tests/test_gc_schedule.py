@@ -13,6 +13,14 @@ from echelon3.trainers.collection import Collection
 from tests.helpers import make_trainer
 
 
+@pytest.fixture(autouse=True)
+def unfrozen():
+    """A process that exited preempted in this one earlier froze its objects (that is
+    ``before_exit``); these tests start from a collector with nothing frozen."""
+    gc.unfreeze()
+    yield
+
+
 def _child_status(code_if_enabled: int = 0) -> int:
     pid = os.fork()
     if pid == 0:  # a DataLoader worker, forked during training
