@@ -52,7 +52,8 @@ def _worker(rank: int, port: int, out: str) -> None:
         inputs, labels = blobs(STEPS * 16)
         trainer = make_trainer(Path(out) / f"{policy}{rank}", net=net, epochs=1,
                                nan_policy=policy, log_every_n_steps=LOG_EVERY,
-                               gc_every_n_steps=GC_EVERY, train_loader=loader(inputs[rank::2], labels[rank::2], 8))
+                               gc_every_n_steps=GC_EVERY,
+                               train_loader=loader(inputs[rank::2], labels[rank::2], 8))
         counts.clear()
         collected.clear()
         trainer.fit()

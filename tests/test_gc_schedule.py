@@ -21,10 +21,11 @@ def unfrozen():
     yield
 
 
-def _child_status(code_if_enabled: int = 0) -> int:
+def _child_status() -> int:
+    """0 when a child forked now (a DataLoader worker) collects automatically."""
     pid = os.fork()
-    if pid == 0:  # a DataLoader worker, forked during training
-        os._exit(code_if_enabled if gc.isenabled() else 1)
+    if pid == 0:
+        os._exit(0 if gc.isenabled() else 1)
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
