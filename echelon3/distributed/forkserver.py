@@ -81,6 +81,14 @@ def forked(entrypoint: Callable, since: tuple[dict[str, str], list[str]], *args)
     """A forked worker's entry point: the launcher's environment as at the launch, then
     ``entrypoint(*args)``."""
     changed, removed = since
+    # Hand back the launcher's end of the pipe whose closing ends the server: held here,
+    # it would keep the server (and so, through own_session's parent-death signal, this
+    # worker) alive after the launcher died. (A server this worker wanted would be its own.)
+    server = _server()
+    if server._forkserver_alive_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
     for name in removed:
         os.environ.pop(name, None)
     os.environ.update(changed)

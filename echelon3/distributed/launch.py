@@ -13,6 +13,7 @@ The rank helpers live in :mod:`echelon3.distributed.ranks`.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import re
@@ -28,6 +29,7 @@ from typing import Callable, Iterator, Mapping
 from echelon3.distributed import forkserver, preemption
 from echelon3.distributed.ranks import _initialized, all_gather_object, get_rank
 
+PR_SET_PDEATHSIG = 1  # prctl(2)
 TIMEOUT_ENV = "ECHELON3_DDP_TIMEOUT_MIN"
 DEFAULT_TIMEOUT_MIN = 30.0
 
@@ -266,6 +268,29 @@ def _workers() -> list[int]:
         except psutil.Error:
             continue
     return found
+
+
+def own_session() -> None:
+    """Make this local worker the leader of a session of its own, as torch elastic makes
+    torchrun's, and end it with its parent.
+
+    With the kernel's autogroup scheduling (the Linux default), CPU time is shared
+    fairly between sessions first, then between the processes of a session: a rank that
+    stayed in the launching shell's session would share that session's part with
+    everything else started there (a busy loop, the workflow's other jobs) and wait
+    for a core while torchrun's ranks, each a session, did not. Signals reach the worker
+    through the launcher's relay (:func:`spawn`), not its process group; the parent
+    (the launcher, or the forkserver that ends when the launcher does) taking the
+    worker with it when it dies keeps a killed launch from leaving a rank behind.
+    """
+    with contextlib.suppress(OSError):
+        os.setsid()
+    if sys.platform.startswith("linux"):
+        parent = os.getppid()
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # it died before the prctl could see it
+            os._exit(PEER_LOST_EXIT)
 
 
 def relayed_signals() -> list[signal.Signals]:

@@ -192,6 +192,7 @@ def run_worker(task: Task, rc: RunConfig, plan: Plan) -> None:
 
 def spawned_worker(task: Task, cfg: dict, config_dir: str, config_file: str, plan: Plan) -> None:
     """Entry point of a worker spawned by echelon3; reports errors itself, then exits."""
+    dist.own_session()
     rc = RunConfig(OmegaConf.create(cfg), Path(config_dir), Path(config_file))
     with interrupt.handling(keep=True):
         try:
