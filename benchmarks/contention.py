@@ -57,6 +57,7 @@ class Sample:
     voluntary: int
     involuntary: int
     run_delay: float = 0.0  # seconds its threads sat runnable, waiting for a core
+    session: int = 0  # its session: the group the kernel's autogroup shares CPU between
 
 
 def run_delay(pid: int) -> float:
@@ -69,6 +70,13 @@ def run_delay(pid: int) -> float:
                     open(f"/proc/{pid}/task/{task}/schedstat") as f:
                 total += int(f.read().split()[1])
     return total / 1e9
+
+
+def _session(pid: int) -> int:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return 0
 
 
 @dataclass
@@ -109,7 +117,7 @@ class Tree:
                     t, ctx = proc.cpu_times(), proc.num_ctx_switches()
                     found[proc.pid] = Sample(self._role(proc), t.user + t.system,
                                              proc.num_threads(), ctx.voluntary, ctx.involuntary,
-                                             run_delay(proc.pid))
+                                             run_delay(proc.pid), _session(proc.pid))
         return found
 
     def _run(self) -> None:
@@ -132,10 +140,16 @@ class Tree:
         first = min(self.series, key=lambda s: abs(s[0] - start))[1]
         last = min(self.series, key=lambda s: abs(s[0] - end))[1]
         out: dict[str, dict[str, float]] = {}
+        sessions: dict[str, set[int]] = {}
+        launcher_session = next((s.session for s in last.values() if s.role == "launcher"), 0)
         for pid, now in last.items():
             before = first.get(pid)
             row = out.setdefault(now.role, dict(cpu=0.0, voluntary=0, involuntary=0,
-                                                processes=0, threads=0, run_delay=0.0))
+                                                processes=0, threads=0, run_delay=0.0,
+                                                sessions=0, in_launcher_session=0))
+            sessions.setdefault(now.role, set()).add(now.session)
+            row["sessions"] = len(sessions[now.role])
+            row["in_launcher_session"] += now.session == launcher_session
             row["processes"] += 1
             row["threads"] = max(row["threads"], now.threads)
             row["cpu"] += now.cpu - (before.cpu if before else 0.0)

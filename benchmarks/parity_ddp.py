@@ -94,7 +94,8 @@ def measure_ddp(w: Workload, runs: int, smoke: bool, busy: bool, work: Path) -> 
             "total_cpu": statistics.median(r["total_cpu"] for r in rs),
             "loss": rs[-1]["loss"],
             "roles": {role: {key: statistics.median(r["roles"][role].get(key, 0) for r in rs)
-                             for key in (*COUNTERS, "processes", "threads")}
+                             for key in (*COUNTERS, "processes", "threads", "sessions",
+                                         "in_launcher_session")}
                       for role in ROLES}}
     for side in ("echelon3", "echelon3_nofu", "hand_fu"):
         ours, hand, like = row[side], row["hand"], row[LIKE.get(side, "hand")]
@@ -153,6 +154,13 @@ def ddp_table(rows: list[dict], runs: int) -> str:
     return "\n".join(lines)
 
 
+def _autogroup() -> str:
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
 def contention_paragraph(rows: list[dict]) -> str:
     """What echelon3 added under contention, in the figures just measured."""
     parts, helpers_small, waiting = [], True, []
@@ -177,6 +185,17 @@ def contention_paragraph(rows: list[dict]) -> str:
             f"(DDP's own search: {r['echelon3']['ratio_like']:.3f}x the wall time of the "
             f"hand-written loop with it), echelon3's launcher and helpers {launcher:.3f} s "
             f"(torchrun's agent {hand['launcher']['cpu']:.3f} s)")
+    ranks = rows[-1]["echelon3_nofu"]["roles"]["worker"]
+    hand_ranks = rows[-1]["hand"]["roles"]["worker"]
+    sessions = (
+        f" Sessions: echelon3's {ranks['processes']:.0f} ranks ran in {ranks['sessions']:.0f} "
+        f"session(s), {ranks['in_launcher_session']:.0f} of them in the launcher's; "
+        f"torchrun's {hand_ranks['processes']:.0f} in {hand_ranks['sessions']:.0f}, "
+        f"{hand_ranks['in_launcher_session']:.0f} in its agent's. Under the kernel's "
+        f"autogroup scheduling (kernel.sched_autogroup_enabled = {_autogroup()} here) the CPU is shared between sessions first: a rank left in the "
+        "launching session (the hog's here) shares that session's part, which is what "
+        "echelon3 added under contention until each rank led a session of its own, as "
+        "torchrun's do.")
     waits = ("" if not waiting else
              " With ddp_find_unused_parameters: false echelon3's ranks took "
              + " and ".join(waiting) + " of the hand-written loop's: that part of the time "
@@ -185,4 +204,5 @@ def contention_paragraph(rows: list[dict]) -> str:
     return ("**What echelon3 added under contention.** " + ". ".join(parts) +
             (". The launcher's polling and threads take under 5% of the ranks' CPU: the "
              "ranks' per-step work is where the CPU goes." if helpers_small else
-             ". The launcher and its helpers take 5% or more of the ranks' CPU.") + waits)
+             ". The launcher and its helpers take 5% or more of the ranks' CPU.") + waits
+            + sessions)
