@@ -5,8 +5,10 @@ A spawned worker starts a new interpreter: it imports torch and the task's modul
 multiprocessing's forkserver pays the imports once, in one single-threaded process, and
 each worker is a fork of it that leaves with ``os._exit``. The launcher starts it inside
 its signal relay (:func:`echelon3.distributed.interrupt.relay`), so the server keeps the
-relayed signals blocked for good: a SIGTERM or Ctrl-C sent to the whole process group
-stops the workers, never the server their exit codes come back through.
+relayed signals blocked for good: a SIGTERM or Ctrl-C sent to the launcher's process group
+reaches the workers through the relay (each leads a session of its own:
+:func:`echelon3.distributed.launch.own_session`), never the server their exit codes come
+back through. The server ends when the launcher does, and its workers with it.
 
 A worker must start as a spawned one would: with the launcher's environment, working
 directory, ``sys.path``, umask and standard streams as they are at the launch. The server
