@@ -82,3 +82,24 @@ def test_another_freeze_is_kept():
 def test_a_bad_value_names_the_key(bad):
     with pytest.raises(ConfigError, match=r"^trainer\.config\.gc_every_n_steps: must be a whole"):
         Collection(bad)
+
+
+def test_young_generations_every_n_steps_and_all_of_them_every_tenth_time():
+    collected = []
+
+    def record(phase, info):
+        if phase == "start":
+            collected.append(info["generation"])
+
+    with Collection(2).during_fit():
+        gc.callbacks.append(record)
+        try:
+            steps = {}
+            for step in range(1, 41):
+                before = len(collected)
+                Collection(2).after_step(step)
+                if len(collected) > before:
+                    steps[step] = collected[before:]
+        finally:
+            gc.callbacks.remove(record)
+    assert steps == {s: [2 if s % 20 == 0 else 1] for s in range(2, 41, 2)}

@@ -76,14 +76,16 @@ class GuardedDataset(Dataset):
 
     def __getitems__(self, indices: list[int]) -> list:
         samples, dataset = _Samples(), self.dataset
+        add = samples.append
         try:  # one try for the batch: a raise names the index it happened at
             for index in indices:
-                samples.append(dataset[index])
+                add(dataset[index])
         except UserError:
             raise
         except Exception as e:
             raise self._error(index, e) from e
-        samples.indices = list(indices)
+        # The batch sampler hands over a new list per batch: kept as it is.
+        samples.indices = indices if type(indices) is list else list(indices)
         return samples
 
     def _error(self, index, e: Exception) -> DataError:
@@ -163,13 +165,14 @@ class GuardedCollate:
         return None
 
     def __call__(self, samples: list):
-        indices = list(getattr(samples, "indices", None) or range(len(samples)))
+        indices = samples.indices if type(samples) is _Samples else list(range(len(samples)))
         odd = None if not self.strict or not samples or _all_alike(samples) else \
             self._odd_one(samples, indices)
         if odd is not None:
             raise odd
-        try:
-            batch = (self.collate_fn or default_collate)(list(samples))
+        try:  # the default collate takes the list as it is; another gets a plain list
+            batch = default_collate(samples) if self.collate_fn is None else \
+                self.collate_fn(list(samples))
         except Exception as e:
             odd = self._odd_one(samples, indices) if samples else None
             if odd is None:

@@ -156,6 +156,20 @@ class EpochClock:
         self._reset()
         return out
 
+    def log_epoch(self, logger, epoch: int, step: int, first: bool, warm: bool) -> None:
+        """Where epoch ``epoch``'s time went: to ``logger`` (history) every epoch, to the
+        log once (``first``); a recompile after warm-up (``warm``) is warned about."""
+        report = self.report()
+        logger.log({"split": "time", "epoch": epoch, "step": step, **report})
+        if warm and report.get("compiles"):
+            log.warning("torch.compile recompiled %d time(s) in epoch %d, after warm-up; "
+                        "TORCH_LOGS=recompiles says why", report["compiles"], epoch)
+        if first:
+            log.info(self.summary(epoch, report))
+            lever = self.lever(report)
+            if lever:
+                log.info(lever)
+
     def lever(self, report: dict[str, float]) -> str | None:
         """One line naming the lever, when the run is clearly input- or launch-bound."""
         if report["data_wait"] >= INPUT_BOUND:

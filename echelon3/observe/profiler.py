@@ -66,6 +66,7 @@ class Profiler:
         self.spec = settings(spec)
         self.count = 0
         self._prof = None
+        self.active = False  # profiling now (labels are recorded)
         if self.spec is not None:
             self.window = self.spec["wait"] + self.spec["warmup"] + self.spec["active"]
             self.dir = Path(self.spec["dir"] or Path(default_dir) / "profile")
@@ -92,13 +93,14 @@ class Profiler:
             on_trace_ready=tensorboard_trace_handler(str(self.dir),
                                                      worker_name=f"rank{get_rank()}"))
         self._prof.start()
+        self.active = True
         log.info("profiling batches %d-%d into %s", self.spec["wait"] + self.spec["warmup"] + 1,
                  self.window, self.dir)
 
     def stop(self) -> None:
         if self._prof is not None:
             self._prof.stop()
-            self._prof = None
+            self._prof, self.active = None, False
 
     def label(self, name: str):
         """A ``record_function`` region while profiling, else nothing."""

@@ -54,7 +54,7 @@ import torch
 from tqdm import tqdm  # not tqdm.auto: its asyncio variant opens every loader twice
 
 from echelon3.config.errors import blame
-from echelon3.data.batches import OutputLoss, split_batch, to_device, weighted_loss
+from echelon3.data.batches import OutputLoss, call_net, split_batch, to_device, weighted_loss
 from echelon3.data.loaders import known_length
 from echelon3.data.rng import restore_for_rank
 from echelon3.data.samples import LABEL_ERRORS, bad_label
@@ -135,6 +135,7 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
         self.throughput.resolve_peak(device, getattr(precision, "mode", "fp32"),
                                      get_world_size(), net)
         self.collection = Collection(gc_every_n_steps)
+        self._syncs = Stepping.syncs(net)  # looked at again as each epoch starts
         self._clock: EpochClock | None = None
         self._stop = False  # a rank received a preemption signal (read at a log point)
         self.position = EpochPosition()
@@ -154,26 +155,34 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
     def forward_backward(self, batch, scale: float = 1.0) -> dict[str, torch.Tensor]:
         """The micro-batch's losses x ``scale`` backward: ``{"loss": total, name: part}``.
         Under ``loss: from_output`` the wrapped network is called with the target and the
-        loss is its own (:class:`echelon3.data.batches.OutputLoss`)."""
-        from echelon3.data.batches import call_net  # kept in this method's own lines
-
+        loss is its own (:class:`echelon3.data.batches.OutputLoss`). With no profiler
+        running and no autocast, no context is entered (nothing that is off costs)."""
         inputs, target = split_batch(batch)
         if self.move:
             inputs, target = to_device((inputs, target), self.device)
-        with self.profiler.label("compute"):
-            with self.precision.autocast():
-                try:  # a loss's error is marked with its own key first
-                    out = call_net(self.net, unwrap(self.net) if self.from_output else None,
-                                   self.losses, inputs, target)
-                    total, parts = weighted_loss(self.losses, out, target, self.float_labels)
-                except Exception as e:
-                    blame(e, "net", "training")
-                    raise
-            # No extra multiply (a kernel and an autograd node) when not accumulating.
+        if self.profiler.active or self.precision.dtype is not None:
+            with self.profiler.label("compute"):
+                with self.precision.autocast():
+                    total, parts = self._forward(inputs, target)
+                # No extra multiply (a kernel and an autograd node) when not accumulating.
+                self.precision.backward(total * scale if scale != 1 else total)
+        else:
+            total, parts = self._forward(inputs, target)
             self.precision.backward(total * scale if scale != 1 else total)
         detached = total.detach()  # one loss of weight 1 is its own total: detached once
-        return {"loss": detached, **{k: detached if v is total else v.detach()
-                                     for k, v in parts.items()}}
+        out = {"loss": detached}
+        for name, part in parts.items():
+            out[name] = detached if part is total else part.detach()
+        return out
+
+    def _forward(self, inputs, target) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        try:  # a loss's error is marked with its own key first
+            out = call_net(self.net, unwrap(self.net) if self.from_output else None,
+                           self.losses, inputs, target)
+            return weighted_loss(self.losses, out, target, self.float_labels)
+        except Exception as e:
+            blame(e, "net", "training")
+            raise
 
     def closure_step(self, batch) -> dict[str, torch.Tensor]:
         """A closure optimizer's whole step; the losses of its first evaluation."""
@@ -195,15 +204,18 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
             self.stepping.decide(self.closure_step(batch), last=True)
             decision = STEP
         else:
-            with self.stepping.sync(self.net, last):
+            if self._syncs:  # DDP, FSDP: no all-reduce inside a window
+                with self.stepping.sync(self.net, last):
+                    parts = self.forward_backward(batch, scale)
+            else:
                 parts = self.forward_backward(batch, scale)
             decision = self.stepping.decide(parts, last)
             if decision == STEP:
-                with self.profiler.label("optimizer"):
-                    if self.clipping.on:
-                        self.clipping.clip(self.optimizer, self._params())
-                    self.precision.step(self.optimizer)
-                    self.optimizer.zero_grad(set_to_none=True)
+                if self.profiler.active:
+                    with self.profiler.label("optimizer"):
+                        self._optimizer_step()
+                else:
+                    self._optimizer_step()
         if decision != WAIT:
             losses = self.stepping.close(self.optimizer, decision)
             self.global_step += 1
@@ -212,6 +224,12 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
             for parts in losses:
                 self.running.add(parts)
         return decision
+
+    def _optimizer_step(self) -> None:
+        if self.clipping.on:
+            self.clipping.clip(self.optimizer, self._params())
+        self.precision.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _after_step(self, decision: str) -> None:
         """Step 4's end: the EMA moves (a step taken), a per-step scheduler steps, Python's
@@ -223,13 +241,6 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
             self.scheduler.step()
         self.collection.after_step(self.global_step)
 
-    def _step_flops(self, batch) -> int:
-        """One micro-batch's forward and backward FLOPs on this rank, training untouched."""
-        from echelon3.trainers.flops import micro_batch_flops
-
-        return micro_batch_flops(self.net, self.losses, batch, self.precision,
-                                 self._params(), self.device, self.float_labels)
-
     # ------------------------------------------------------------------ the loop
 
     def _train_epoch(self, epoch: int, clock: EpochClock) -> str | None:
@@ -237,6 +248,7 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
         ``length``: ``max_steps``, ``early``: early stopping in the step mode), else None."""
         batches, done = self.position.start(self.train_loader, epoch, get_rank())
         self.net.train()
+        self._syncs = Stepping.syncs(self.net)
         steps = known_length(self.train_loader)  # None: a stream of unknown length
         windows = None if steps is None else self.stepping.windows_in(steps)
         validate_at = self.length.mid_epoch_points(windows)
@@ -250,9 +262,13 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
                 raise KeyboardInterrupt
             scale, last = self.stepping.window(i - 1, steps)
             if self.throughput.counting:  # once: the FLOPs of a step, for the MFU
-                with clock.aside():
-                    self.throughput.counted(self._step_flops(batch), self.stepping.steps)
-            started = clock.step_started()
+                from echelon3.trainers.flops import micro_batch_flops  # its import: only now
+
+                with clock.aside():  # training untouched
+                    self.throughput.counted(micro_batch_flops(
+                        self.net, self.losses, batch, self.precision, self._params(),
+                        self.device, self.float_labels), self.stepping.steps)
+            started = time.perf_counter()
             try:  # a label outside a metric's classes is named (naming_bad_labels, inlined)
                 if i % self.log_every == sample_at:
                     decision = clock.sample_device(lambda: self.micro_batch(batch, scale, last))
@@ -267,7 +283,8 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
             self.throughput.add(batch)
             self.position.step = i
             bar.update()
-            profiled = self.profiler.step() or profiled
+            if self.profiler.spec is not None:
+                profiled = self.profiler.step() or profiled
             if decision == WAIT:
                 if self._stop_requested():
                     self._preempt(epoch)
@@ -350,7 +367,8 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
             if ended == "profiled":
                 break
             stop = self._end_epoch(epoch, clock, last=ended == "length")
-            self._report_time(clock, first=epoch == report_after, warm=epoch > start)
+            clock.log_epoch(self.logger, self.epoch, self.global_step,
+                            first=epoch == report_after, warm=epoch > start)
             if stop:
                 log.info("%s (trainer.config.early_stopping)", self.stopped_early())
                 break
@@ -388,18 +406,3 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
         else:
             log.info("%s (trainer.config.early_stopping)", self.stopped_early())
         self._save_step(epoch)
-
-    def _report_time(self, clock: EpochClock, first: bool, warm: bool) -> None:
-        """Where the epoch's time went: in history every epoch, in the log once."""
-        report = clock.report()
-        self.logger.log({"split": "time", "epoch": self.epoch, "step": self.global_step,
-                         **report})
-        if warm and report.get("compiles"):
-            log.warning("torch.compile recompiled %d time(s) in epoch %d, after warm-up; "
-                        "TORCH_LOGS=recompiles says why", report["compiles"], self.epoch)
-        if first:
-            log.info(clock.summary(self.epoch, report))
-            lever = clock.lever(report)
-            if lever:
-                log.info(lever)
-

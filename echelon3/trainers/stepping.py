@@ -56,6 +56,7 @@ class Stepping:
             raise ConfigError(KEY, "must be 1 with a closure optimizer (SAMOptimizer, LBFGS): "
                               "they evaluate the loss several times per step")
         self.steps, self.guard, self.precision, self.params = steps, guard, precision, params
+        self.skips = guard.policy == "skip"  # under stop nothing is read when a window closes
         self.losses: list[Mapping[str, torch.Tensor]] = []  # the open window's micro-batches
         self._started = False
 
@@ -68,6 +69,11 @@ class Stepping:
 
     def windows_in(self, total: int) -> int:
         return -(-total // self.steps)
+
+    @staticmethod
+    def syncs(net) -> bool:
+        """Whether ``net`` all-reduces in its backward (DDP, FSDP): :meth:`sync` matters."""
+        return isinstance(net, DistributedDataParallel) or sharded_module(net) is not None
 
     def sync(self, net, last: bool):
         """DDP's ``no_sync`` (FSDP's counterpart) for every micro-batch but the last of a window.
@@ -88,7 +94,7 @@ class Stepping:
         self.losses.append(parts)
         if not last:
             return WAIT
-        return SKIP if self.guard.poisoned(self.losses) else STEP
+        return SKIP if self.skips and self.guard.poisoned(self.losses) else STEP
 
     def close(self, optimizer, decision: str) -> list[Mapping[str, torch.Tensor]]:
         """End the window; its micro-batches' losses, or [] when it was skipped."""
