@@ -75,15 +75,13 @@ class GuardedDataset(Dataset):
             raise self._error(index, e) from e
 
     def __getitems__(self, indices: list[int]) -> list:
-        samples, dataset = _Samples(), self.dataset
-        add = samples.append
-        try:  # one try for the batch: a raise names the index it happened at
-            for index in indices:
-                add(dataset[index])
+        samples = _Samples()
+        try:  # one try for the batch; extend keeps what came before a raise: its index is next
+            samples.extend(map(self.dataset.__getitem__, indices))
         except UserError:
             raise
         except Exception as e:
-            raise self._error(index, e) from e
+            raise self._error(indices[len(samples)], e) from e
         # The batch sampler hands over a new list per batch: kept as it is.
         samples.indices = indices if type(indices) is list else list(indices)
         return samples

@@ -177,8 +177,8 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
 
     def _forward(self, inputs, target) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         try:  # a loss's error is marked with its own key first
-            out = call_net(self.net, unwrap(self.net) if self.from_output else None,
-                           self.losses, inputs, target)
+            out = call_net(self.net, unwrap(self.net), self.losses, inputs, target) \
+                if self.from_output else self.net(inputs)
             return weighted_loss(self.losses, out, target, self.float_labels)
         except Exception as e:
             blame(e, "net", "training")
@@ -282,7 +282,8 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
             clock.step_ended(started)
             self.throughput.add(batch)
             self.position.step = i
-            bar.update()
+            if not bar.disable:
+                bar.update()
             if self.profiler.spec is not None:
                 profiled = self.profiler.step() or profiled
             if decision == WAIT:
