@@ -49,3 +49,30 @@ def test_without_stop_after_the_run_goes_on(tmp_path):
 def test_bad_profile_settings_name_the_key(spec, key):
     with pytest.raises(ConfigError, match=f"trainer.config.{key}"):
         settings(spec)
+
+
+def test_with_profiling_autocast_and_ddp_off_no_context_is_entered_per_micro_batch(tmp_path):
+    trainer = make_trainer(tmp_path, epochs=1, train_loader=loader(*blobs(64), batch_size=8))
+    entered, inside = [], []
+    step = trainer.micro_batch
+
+    def watched(*args, **kwargs):
+        inside.append(True)
+        try:
+            return step(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    def counting(name, real):
+        def context(*args, **kwargs):
+            if inside:  # validation may autocast: only the training micro-batches count
+                entered.append(name)
+            return real(*args, **kwargs)
+        return context
+
+    trainer.micro_batch = watched
+    for owner, name in ((trainer.profiler, "label"), (trainer.precision, "autocast"),
+                        (trainer.stepping, "sync")):
+        setattr(owner, name, counting(name, getattr(owner, name)))
+    trainer.fit()
+    assert trainer.global_step == 8 and entered == []

@@ -2,9 +2,10 @@
 
 Without TensorFlow, TensorBoard's event writer computes every record's masked CRC-32C in
 pure Python, about 15 microseconds per hundred bytes, on a thread that takes the GIL
-from the one that trains. ``google-crc32c`` (in the ``tensorboard`` extra) computes the same checksum
-in C; :func:`install` puts it in the writer's place. The value is TensorBoard's own, bit
-for bit (tests/test_tensorboard_crc.py compares them); without the package nothing changes.
+from the one that trains. ``google-crc32c`` (in the ``tensorboard`` extra) computes the
+same checksum in C; :func:`install` puts it in the writer's place. The value is
+TensorBoard's own, bit for bit (tests/test_tensorboard_crc.py compares them); without
+the package nothing changes.
 """
 
 from __future__ import annotations
