@@ -92,7 +92,13 @@ def test_a_signal_to_snakemake_alone_stops_training_at_once(tmp_path):
             below = descendants(run.pid)
             os.kill(run.pid, sig)  # Snakemake only, not its process group
             sent = time.monotonic()
-            out = run.communicate(timeout=DRY_S)[0]
+            try:
+                out = run.communicate(timeout=DRY_S)[0]
+            except subprocess.TimeoutExpired as e:  # say where the job stood
+                left = [cmdline(p) for p in below if cmdline(p)]
+                tail = log.read_text()[-3000:] if log.is_file() else "(no job log)"
+                raise AssertionError(f"{sig.name}: Snakemake still running after {DRY_S} s; "
+                                     f"left: {left}\njob log:\n{tail}") from e
             took = time.monotonic() - sent
         finally:
             if run.poll() is None:
