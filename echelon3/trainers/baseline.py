@@ -282,10 +282,8 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
             clock.step_ended(started)
             self.throughput.add(batch)
             self.position.step = i
-            if not bar.disable:
-                bar.update()
-            if self.profiler.spec is not None:
-                profiled = self.profiler.step() or profiled
+            bar.update()
+            profiled = self.profiler.step() or profiled
             if decision == WAIT:
                 if self._stop_requested():
                     self._preempt(epoch)

@@ -115,8 +115,7 @@ class Throughput:
 
     def add(self, batch: Any) -> None:
         """One micro-batch's samples and tokens (shapes only: nothing waits)."""
-        inputs, target = batch if isinstance(batch, list | tuple) and len(batch) == 2 else \
-            split_batch(batch)
+        inputs, target = split_batch(batch)
         if type(target) is torch.Tensor and type(inputs) is torch.Tensor and \
                 inputs.is_floating_point() and self.tokens_mode == "auto":
             self.samples += target.shape[0]  # the common case, float inputs: no token probe
