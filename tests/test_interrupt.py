@@ -55,6 +55,35 @@ def test_a_signal_inside_logging_waits_then_raises_at_a_safe_point(slow_retry):
         interrupt._on_sigint(signal.SIGINT, sys._getframe())  # a repeat changes nothing
 
 
+ARRIVES_AT_IMPORT = ("import signal, sys\n"
+                     "from echelon3.distributed import interrupt\n"
+                     "interrupt._on_sigint(signal.SIGINT, sys._getframe())\n"
+                     "FINISHED = True\n")
+
+
+def test_a_signal_inside_a_library_import_waits_until_the_import_is_done(
+        slow_retry, tmp_path, monkeypatch):
+    """An installed library's import (torch's runs C++ initialisers, where a raise aborts
+    the process) runs to its end; the user's own module is interrupted at once."""
+    library, own = tmp_path / "site-packages", tmp_path / "own"
+    for folder, name in ((library, "e3_library_probe"), (own, "e3_own_probe")):
+        folder.mkdir()
+        (folder / f"{name}.py").write_text(ARRIVES_AT_IMPORT)
+        monkeypatch.syspath_prepend(str(folder))
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with interrupt.handling(keep=False):
+        import e3_library_probe  # no raise inside: the import finishes
+
+        assert e3_library_probe.FINISHED and interrupt.interrupted()
+        with pytest.raises(KeyboardInterrupt):  # then the retry raises it
+            interrupt._on_retry(signal.SIGALRM, sys._getframe())
+    with interrupt.handling(keep=False):
+        with pytest.raises(KeyboardInterrupt):
+            import e3_own_probe  # noqa: F401
+    assert "e3_own_probe" not in sys.modules
+    monkeypatch.delitem(sys.modules, "e3_library_probe")
+
+
 class Finalised:
     def __del__(self):
         raise KeyboardInterrupt  # what a signal landing in __del__ amounts to

@@ -4,7 +4,10 @@ A ``KeyboardInterrupt`` raised by a signal handler appears wherever the main
 thread happens to be. In a few places Python cannot pass it on: inside a
 ``__del__``, a weakref callback or finaliser, logging's at-fork lock hooks.
 There it prints ``Exception ignored in ...`` with a traceback, swallows the
-exception, and may leave a lock held. So the handler here:
+exception, and may leave a lock held. An installed library's import is another:
+its extension modules run their initialisation from C++, where the exception
+aborts the process (torch: ``terminate called after throwing ...``), and a
+package cut off half-way cannot be imported again. So the handler here:
 
 1. sets a flag (:func:`interrupted`), which the training loop checks before
    every step and raises at that safe point;
@@ -42,6 +45,8 @@ RETRY_S = 0.02
 _UNSAFE_MODULES = ("logging", "weakref", "_weakrefset", "atexit", "multiprocessing.util",
                    "filelock", __name__)
 _UNSAFE_FUNCTIONS = ("__del__", "_after_fork", "_at_fork_reinit", "_releaseLock", "_acquireLock")
+# Where installed libraries live: the import of one of their modules runs to its end.
+_LIBRARIES = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 
 _interrupted = False
 _pending = False  # interrupted, the raise still to come
@@ -62,6 +67,9 @@ def _safe(frame) -> bool:
         if code.co_name in _UNSAFE_FUNCTIONS or module.split(".")[0] in _UNSAFE_MODULES \
                 or module in _UNSAFE_MODULES:
             return False
+        if code.co_name == "<module>" and module != "__main__" \
+                and any(part in code.co_filename for part in _LIBRARIES):
+            return False  # an import (``python -m library`` runs as __main__)
         frame = frame.f_back
     return True
 
