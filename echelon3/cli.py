@@ -194,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return _run(argv)
         except KeyboardInterrupt:
+            interrupt.disarm()  # no retry raises again while the notice is printed
             return _interrupted()
 
 

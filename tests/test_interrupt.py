@@ -55,6 +55,18 @@ def test_a_signal_inside_logging_waits_then_raises_at_a_safe_point(slow_retry):
         interrupt._on_sigint(signal.SIGINT, sys._getframe())  # a repeat changes nothing
 
 
+def test_the_loops_raise_of_a_deferred_interrupt_cancels_its_retry(slow_retry):
+    """A signal deferred (inside logging) and then raised by the training loop's check
+    before the retry came: the retry is cancelled, nothing raises a second time."""
+    with interrupt.handling(keep=False):
+        _signal_inside_logging()
+        assert signal.getitimer(signal.ITIMER_REAL)[0] > 0
+        with pytest.raises(KeyboardInterrupt):
+            interrupt.raise_if_interrupted()
+        assert signal.getitimer(signal.ITIMER_REAL)[0] == 0
+        interrupt._on_retry(signal.SIGALRM, sys._getframe())  # a late retry: no raise
+
+
 ARRIVES_AT_IMPORT = ("import signal, sys\n"
                      "from echelon3.distributed import interrupt\n"
                      "interrupt._on_sigint(signal.SIGINT, sys._getframe())\n"

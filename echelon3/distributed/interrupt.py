@@ -10,7 +10,7 @@ aborts the process (torch: ``terminate called after throwing ...``), and a
 package cut off half-way cannot be imported again. So the handler here:
 
 1. sets a flag (:func:`interrupted`), which the training loop checks before
-   every step and raises at that safe point;
+   every step and raises at that safe point (:func:`raise_if_interrupted`);
 2. raises ``KeyboardInterrupt`` at once only when the interrupted code is not
    one of those places; otherwise it tries again 20 ms later (``SIGALRM``),
    until the main thread is somewhere the exception can travel up from;
@@ -57,6 +57,17 @@ _next_hook = sys.__unraisablehook__  # the unraisable hook that was there before
 def interrupted() -> bool:
     """True once Ctrl-C (SIGINT) reached this process."""
     return _interrupted
+
+
+def raise_if_interrupted() -> None:
+    """The training loop's safe point before each step: raise the interruption here, once
+    (a retry still armed for it is cancelled, so none follows while the command exits)."""
+    global _pending
+    if _interrupted:
+        if _pending:
+            _pending = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        raise KeyboardInterrupt
 
 
 def _safe(frame) -> bool:

@@ -145,7 +145,7 @@ def _silence_non_main(rank: int) -> None:
 
 Task = Callable[[RunConfig, object, dist.Launcher], None]
 
-interrupted = interrupt.interrupted  # the training loop checks it before every step
+raise_if_interrupted = interrupt.raise_if_interrupted  # the training loop's check
 
 
 def _loader_worker_died(e: BaseException) -> bool:
@@ -198,6 +198,7 @@ def spawned_worker(task: Task, cfg: dict, config_dir: str, config_file: str, pla
         try:
             code = _worker_exit_code(task, rc, plan)
         except KeyboardInterrupt:
+            interrupt.disarm()
             code = 130
     sys.exit(code)
 

@@ -60,7 +60,7 @@ from echelon3.data.rng import restore_for_rank
 from echelon3.data.samples import LABEL_ERRORS, bad_label
 from echelon3.distributed import preemption
 from echelon3.distributed.ranks import get_rank, get_world_size, unwrap
-from echelon3.distributed.runtime import interrupted
+from echelon3.distributed.runtime import raise_if_interrupted
 from echelon3.observe.bottleneck import EpochClock, is_compiled
 from echelon3.observe.profiler import Profiler
 from echelon3.optimizers.closure import is_closure_optimizer
@@ -258,8 +258,7 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
         self._stop, ended, profiled = False, None, False
         self.throughput.start(time.perf_counter(), self.global_step, clock.aside_total)
         for i, batch in enumerate(self.profiler.batches(clock.batches(batches)), start=done + 1):
-            if interrupted():
-                raise KeyboardInterrupt
+            raise_if_interrupted()
             scale, last = self.stepping.window(i - 1, steps)
             if self.throughput.counting:  # once: the FLOPs of a step, for the MFU
                 from echelon3.trainers.flops import micro_batch_flops  # its import: only now
