@@ -9,6 +9,7 @@ import os
 import pytest
 
 from echelon3.config.errors import ConfigError
+from echelon3.trainers import baseline
 from echelon3.trainers.collection import Collection
 from tests.helpers import make_trainer
 
@@ -29,9 +30,9 @@ def _child_status() -> int:
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
-def test_fit_turns_the_collector_off_a_fork_gets_it_back_and_it_is_restored(tmp_path):
+def _watch_fit(trainer) -> list[tuple[bool, bool, int]]:
+    """(collector on, anything frozen, a forked child's status) at every micro-batch."""
     seen = []
-    trainer = make_trainer(tmp_path, epochs=1, gc_every_n_steps=2)
     step = trainer.micro_batch
 
     def watched(*args, **kwargs):
@@ -40,12 +41,27 @@ def test_fit_turns_the_collector_off_a_fork_gets_it_back_and_it_is_restored(tmp_
 
     trainer.micro_batch = watched
     trainer.fit()
+    return seen
+
+
+def test_fit_turns_the_collector_off_a_fork_gets_it_back_and_it_is_restored(tmp_path,
+                                                                             monkeypatch):
+    trainer = make_trainer(tmp_path, epochs=1, gc_every_n_steps=2)
+    monkeypatch.setattr(baseline, "get_world_size", lambda: 2)  # the schedule is for ranks
+    seen = _watch_fit(trainer)
     assert seen and all(s == (False, True, 0) for s in seen)
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
-def test_an_error_in_fit_leaves_the_collector_on(tmp_path):
+def test_one_process_keeps_pythons_own_collector(tmp_path):
+    seen = _watch_fit(make_trainer(tmp_path, epochs=1, gc_every_n_steps=2))
+    assert seen and all(s == (True, False, 0) for s in seen)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_an_error_in_fit_leaves_the_collector_on(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, epochs=1)
+    monkeypatch.setattr(baseline, "get_world_size", lambda: 2)
 
     def failing(*args, **kwargs):
         raise RuntimeError("boom")
@@ -57,11 +73,13 @@ def test_an_error_in_fit_leaves_the_collector_on(tmp_path):
 
 
 def test_zero_leaves_pythons_own_collector_and_so_does_one_already_off():
-    with Collection(0).during_fit():
+    with Collection(0).during_fit(2):
+        assert gc.isenabled() and gc.get_freeze_count() == 0
+    with Collection(5).during_fit(1):  # one process: no peers to keep waiting
         assert gc.isenabled() and gc.get_freeze_count() == 0
     gc.disable()
     try:
-        with Collection(5).during_fit():
+        with Collection(5).during_fit(2):
             assert gc.get_freeze_count() == 0
         assert not gc.isenabled()
     finally:
@@ -71,7 +89,7 @@ def test_zero_leaves_pythons_own_collector_and_so_does_one_already_off():
 def test_another_freeze_is_kept():
     gc.freeze()
     try:
-        with Collection(5).during_fit():
+        with Collection(5).during_fit(2):
             assert not gc.isenabled()
         assert gc.isenabled() and gc.get_freeze_count() > 0
     finally:
@@ -91,7 +109,7 @@ def test_young_generations_every_n_steps_and_all_of_them_every_tenth_time():
         if phase == "start":
             collected.append(info["generation"])
 
-    with Collection(2).during_fit():
+    with Collection(2).during_fit(2):
         gc.callbacks.append(record)
         try:
             steps = {}

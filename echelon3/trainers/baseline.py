@@ -58,7 +58,6 @@ from echelon3.data.batches import OutputLoss, call_net, split_batch, to_device, 
 from echelon3.data.loaders import known_length
 from echelon3.data.rng import restore_for_rank
 from echelon3.data.samples import LABEL_ERRORS, bad_label
-from echelon3.distributed import preemption
 from echelon3.distributed.ranks import get_rank, get_world_size, unwrap
 from echelon3.distributed.runtime import raise_if_interrupted
 from echelon3.observe.bottleneck import EpochClock, is_compiled
@@ -79,11 +78,13 @@ from echelon3.trainers.step_checkpoints import StepCheckpoints, StepSaving
 from echelon3.trainers.stepping import SKIP, STEP, WAIT, Stepping
 from echelon3.trainers.throughput import Throughput
 from echelon3.trainers.validating import Validation
+from echelon3.trainers.window_end import WindowEnd
 
 log = logging.getLogger(__name__)
 
 
-class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation):
+class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation,
+              WindowEnd):
     """Injected: everything but the keyword settings below, which come from ``trainer.config``."""
 
     def __init__(self, *, net, losses, optimizer, train_loader, test_loaders, metrics,
@@ -256,10 +257,13 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
         sample_at = self.log_every // 2 if clock.cuda and self.log_every >= 4 else -1
         self._bar = bar = self._progress(epoch, steps, done)
         self._stop, ended, profiled = False, None, False
+        whole = self.stepping.steps == 1  # every micro-batch closes its window
+        bar_on, profiling = not bar.disable, self.profiler.enabled
+        next_event = self._next_event(done, validate_at)
         self.throughput.start(time.perf_counter(), self.global_step, clock.aside_total)
         for i, batch in enumerate(self.profiler.batches(clock.batches(batches)), start=done + 1):
             raise_if_interrupted()
-            scale, last = self.stepping.window(i - 1, steps)
+            scale, last = (1.0, True) if whole else self.stepping.window(i - 1, steps)
             if self.throughput.counting:  # once: the FLOPs of a step, for the MFU
                 from echelon3.trainers.flops import micro_batch_flops  # its import: only now
 
@@ -281,14 +285,18 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
             clock.step_ended(started)
             self.throughput.add(batch)
             self.position.step = i
-            bar.update()
-            profiled = self.profiler.step() or profiled
+            if bar_on:
+                bar.update()
+            if profiling:
+                profiled = self.profiler.step() or profiled
             if decision == WAIT:
                 if self._stop_requested():
                     self._preempt(epoch)
                 continue
-            ended = self._after_window(epoch, i, steps, validate_at, clock) or \
-                ("profiled" if profiled else None)
+            if self.global_step >= next_event or self._attention():
+                ended = self._after_window(epoch, i, steps, validate_at, clock)
+                next_event = self._next_event(i, validate_at)
+            ended = ended or ("profiled" if profiled else None)
             if ended:
                 break
         if ended is None and self.stepping.losses:  # a stream's last window, not full
@@ -303,41 +311,15 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation)
             self._preempt(epoch)
         return ended
 
-    def _after_window(self, epoch: int, i: int, steps: int | None, validate_at: set,
-                      clock: EpochClock) -> str | None:
-        """Steps 5-7 after an optimizer step (or skip); why the run ends here, if it does."""
-        epoch_ends = steps is not None and i >= steps
-        if self.global_step % self.log_every == 0 and not epoch_ends:
-            self._log_point(epoch + 1)
-        ends = self.length.reached(self.global_step)
-        if -(-i // self.stepping.steps) in validate_at or \
-                (self.length.validates_after(self.global_step) and not (ends or epoch_ends)):
-            with clock.aside():
-                self.validate(epoch + 1)
-                if self.length.by_steps and self.early is not None and \
-                        self.early.update(self.global_step, self.last_metrics):
-                    return "early"
-        if ends:
-            return "length"
-        if self.step_saving.after_step(self.global_step) and not epoch_ends:
-            with clock.aside():
-                self._save_step(epoch)
-        if self._stop_requested():
-            self._preempt(epoch)
-        return None
-
     def _progress(self, epoch: int, steps: int | None, done: int):
         total, initial, desc = self.length.bar(epoch, steps, done, self.global_step,
                                                self.stepping.steps)
         return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True,
                     disable=None if self.progress_bar else True)
 
-    def _stop_requested(self) -> bool:
-        """Step 7: one process stops on its own signal; ranks on the log point's flag."""
-        return self._stop or (preemption.requested() is not None and get_world_size() == 1)
-
     def fit(self) -> dict[str, float] | None:
-        with self.collection.during_fit():  # Python's garbage: at the same steps on all ranks
+        # Python's garbage: at the same steps on all ranks (one process: its own collector)
+        with self.collection.during_fit(get_world_size()):
             return self._fit()
 
     def _fit(self) -> dict[str, float] | None:
