@@ -33,7 +33,7 @@ def test_the_next_event_is_the_next_step_that_acts(log_every, accum, batches, ep
                                                    every_n_steps, start):
     length = RunLength(epochs, max_steps, interval, False, 1 if interval else per_epoch)
     t = SimpleNamespace(global_step=start, log_every=log_every, length=length,
-                        stepping=SimpleNamespace(steps=accum),
+                        stepping=SimpleNamespace(steps=accum, windows_in=lambda n: -(-n // accum)),
                         step_saving=StepSaving(every_n_steps))
     t._next_event = WindowEnd._next_event.__get__(t)
     for _ in range(epochs):

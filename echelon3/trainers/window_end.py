@@ -28,7 +28,7 @@ class WindowEnd:
         """The next ``global_step`` at which :meth:`_after_window` acts by count, after
         micro-batch ``i`` (1-based in the epoch) closed its window."""
         step, length = self.global_step, self.length
-        window = -(-i // self.stepping.steps)
+        window = self.stepping.windows_in(i)  # closed so far in the epoch
         later = [w - window for w in validate_at if w > window]
         return min(_next_multiple(step, self.log_every),
                    _next_multiple(step, length.interval),
@@ -43,7 +43,7 @@ class WindowEnd:
         if self.global_step % self.log_every == 0 and not epoch_ends:
             self._log_point(epoch + 1)
         ends = self.length.reached(self.global_step)
-        if -(-i // self.stepping.steps) in validate_at or \
+        if self.stepping.windows_in(i) in validate_at or \
                 (self.length.validates_after(self.global_step) and not (ends or epoch_ends)):
             with clock.aside():
                 self.validate(epoch + 1)
