@@ -77,6 +77,11 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
+    def backward_call(self):
+        """What the trainer calls with each micro-batch's loss: :meth:`backward`, or without
+        a scaler ``Tensor.backward`` itself (one Python frame less per micro-batch)."""
+        return self.backward if self.scaler else torch.Tensor.backward
+
     def step(self, optimizer, closure=None) -> None:
         if self.scaler is not None and closure is not None:
             raise ValueError("a GradScaler cannot step a closure optimizer; resolve_mode "

@@ -105,6 +105,7 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation,
                                 times_to_validate_per_epoch)
         self.net, self.losses, self.optimizer = net, losses, optimizer
         self.scheduler, self.precision, self.device = scheduler, precision, device
+        self._backward = precision.backward_call()
         self.train_loader, self.test_loaders, self.metrics = train_loader, test_loaders, metrics
         self.checkpoints, self.logger, self.named_sets = checkpoints, logger, named_sets
         self.epochs = self.length.epochs  # None: the run is counted in steps only
@@ -166,10 +167,10 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation,
                 with self.precision.autocast():
                     total, parts = self._forward(inputs, target)
                 # No extra multiply (a kernel and an autograd node) when not accumulating.
-                self.precision.backward(total * scale if scale != 1 else total)
+                self._backward(total * scale if scale != 1 else total)
         else:
             total, parts = self._forward(inputs, target)
-            self.precision.backward(total * scale if scale != 1 else total)
+            self._backward(total * scale if scale != 1 else total)
         detached = total.detach()  # one loss of weight 1 is its own total: detached once
         out = {"loss": detached}
         for name, part in parts.items():
@@ -240,7 +241,8 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation,
         self._lr = self.optimizer.param_groups[0]["lr"]
         if self.interval == "step" and self.scheduler is not None:
             self.scheduler.step()
-        self.collection.after_step(self.global_step)
+        if self.collection.scheduled:
+            self.collection.after_step(self.global_step)
 
     # ------------------------------------------------------------------ the loop
 

@@ -41,12 +41,9 @@ class GradientClipping:
                               "its closure, where echelon3 cannot clip; remove "
                               "gradient_clip_val or clip in the optimizer")
         self.value = None if value is None else float(value)
+        self.on = self.value is not None  # read every step: an attribute, not a property
         self.algorithm, self.precision, self.device = algorithm, precision, device
         self._norms: list[torch.Tensor] = []
-
-    @property
-    def on(self) -> bool:
-        return self.value is not None
 
     def clip(self, optimizer, params: Sequence[torch.nn.Parameter]) -> None:
         """Unscale (fp16), record the total norm, clip: just before ``optimizer.step``."""

@@ -57,6 +57,7 @@ class Collection:
             raise ConfigError(KEY, "must be a whole number of optimizer steps >= 0 "
                               f"(0: Python's own collection), got {every_n_steps!r}")
         self.every = every_n_steps
+        self.scheduled = False  # the schedule runs (inside during_fit, several processes)
 
     @contextlib.contextmanager
     def during_fit(self, ranks: int) -> Iterator[None]:
@@ -69,11 +70,11 @@ class Collection:
         gc.collect(1)  # the young garbage of the set-up, not frozen with the rest
         frozen_before = gc.get_freeze_count()
         gc.freeze()
-        _active[0] = True
+        _active[0] = self.scheduled = True
         try:
             yield
         finally:
-            _active[0] = False
+            _active[0] = self.scheduled = False
             if not frozen_before:  # another's freeze is kept, and ours with it
                 gc.unfreeze()
             gc.enable()
