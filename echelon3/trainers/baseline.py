@@ -218,10 +218,16 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation,
                         self._optimizer_step()
                 else:
                     self._optimizer_step()
-        if decision != WAIT:
+        if decision != WAIT:  # step 4's end, here rather than a call of its own per step
             losses = self.stepping.close(self.optimizer, decision)
             self.global_step += 1
-            self._after_step(decision)
+            if decision == STEP and self.ema is not None:
+                self.ema.update(self.global_step)
+            self._lr = self.optimizer.param_groups[0]["lr"]
+            if self.interval == "step" and self.scheduler is not None:
+                self.scheduler.step()
+            if self.collection.scheduled:
+                self.collection.after_step(self.global_step)
             self.nonfinite.observe(self.epoch + 1, self.global_step, losses)
             for parts in losses:
                 self.running.add(parts)
@@ -232,17 +238,6 @@ class Trainer(Checkpointing, Preempting, StepCheckpoints, LogPoints, Validation,
             self.clipping.clip(self.optimizer, self._params())
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-
-    def _after_step(self, decision: str) -> None:
-        """Step 4's end: the EMA moves (a step taken), a per-step scheduler steps, Python's
-        garbage is collected every ``gc_every_n_steps``."""
-        if decision == STEP and self.ema is not None:
-            self.ema.update(self.global_step)
-        self._lr = self.optimizer.param_groups[0]["lr"]
-        if self.interval == "step" and self.scheduler is not None:
-            self.scheduler.step()
-        if self.collection.scheduled:
-            self.collection.after_step(self.global_step)
 
     # ------------------------------------------------------------------ the loop
 
