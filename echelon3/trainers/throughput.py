@@ -26,7 +26,6 @@ import torch
 
 from echelon3.config.errors import ConfigError
 from echelon3.data.batches import batch_size, split_batch
-from echelon3.data.samples import Batch
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +115,7 @@ class Throughput:
 
     def add(self, batch: Any) -> None:
         """One micro-batch's samples and tokens (shapes only: nothing waits)."""
-        inputs, target = batch if type(batch) is Batch and len(batch) == 2 else \
-            split_batch(batch)  # the common case without a call: a collated pair
+        inputs, target = split_batch(batch)
         if type(target) is torch.Tensor and type(inputs) is torch.Tensor and \
                 inputs.is_floating_point() and self.tokens_mode == "auto":
             self.samples += target.shape[0]  # the common case, float inputs: no token probe
